@@ -1,0 +1,1 @@
+"""cascade package (see docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""quota package (see docs/architecture.md)."""

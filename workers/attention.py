@@ -1,0 +1,135 @@
+"""Paged attention in plain PyTorch (runs on CPU and CUDA).
+
+KV cache layout per layer: `[num_kv_heads, num_blocks * block_size, head_dim]`, so a
+gather by block ids yields each head's keys contiguous in time, ready for a batched
+matmul. Grouped-query attention is computed by viewing the query heads of one KV head
+as a group, never by repeating K/V.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence's prefill chunk inside the flat token batch."""
+
+    start: int  # first row of its tokens in the flat batch
+    num_tokens: int  # tokens in this chunk (query length)
+    num_context: int  # tokens already in the cache before this chunk
+    slots: (
+        torch.Tensor | None
+    )  # cache slots of all num_context + num_tokens keys; None if no context
+
+
+@dataclass
+class AttentionMetadata:
+    """How the flat batch of one step maps onto sequences and cache slots."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's K/V is written to
+    num_decode_tokens: int  # the first rows are decodes, one token per sequence
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] (padded with 0)
+    decode_mask: torch.Tensor | None  # [num_decodes, max_blocks * block_size] True = attend
+    prefills: list[PrefillSeq]
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Store new keys/values ([tokens, kv_heads, dim]) into their cache slots."""
+    k_cache[:, slots] = k.transpose(0, 1)
+    v_cache[:, slots] = v.transpose(0, 1)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention for a flat batch: q [tokens, heads, dim], k/v [tokens, kv_heads, dim].
+
+    k/v are this step's new keys and values (already written to the cache). Returns
+    [tokens, heads * dim].
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+    nd = meta.num_decode_tokens
+    if nd:
+        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, block_size, scale, group)
+    for seq in meta.prefills:
+        rows = slice(seq.start, seq.start + seq.num_tokens)
+        out[rows] = _prefill_attention(
+            q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale, group
+        )
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    block_size: int,
+    scale: float,
+    group: int,
+) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[0]
+    tables = meta.decode_block_tables
+    assert tables is not None and meta.decode_mask is not None
+    shape = (num_kv_heads, -1, block_size, head_dim)
+    # [kv_heads, seqs, blocks, block_size, dim] -> [kv_heads, seqs, T, dim], contiguous.
+    keys = k_cache.view(shape)[:, tables].flatten(2, 3)
+    values = v_cache.view(shape)[:, tables].flatten(2, 3)
+    query = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)
+    mask = meta.decode_mask[None, :, None, :]
+    attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+    return attn.transpose(0, 1).reshape(num_seqs, num_heads * head_dim)
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq: PrefillSeq,
+    scale: float,
+    group: int,
+) -> torch.Tensor:
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    # [kv_heads, group * n, dim]: the query heads that share a KV head, stacked in time.
+    query = (
+        q.view(n, num_kv_heads, group, head_dim)
+        .permute(1, 2, 0, 3)
+        .reshape(num_kv_heads, group * n, head_dim)
+    )
+    if seq.num_context == 0:
+        keys, values = k.transpose(0, 1), v.transpose(0, 1)
+    else:
+        assert seq.slots is not None
+        keys, values = k_cache[:, seq.slots], v_cache[:, seq.slots]
+    total = seq.num_context + n
+    # Query i (at position num_context + i) sees keys 0 .. num_context + i.
+    q_pos = torch.arange(n, device=q.device).repeat(group) + seq.num_context
+    mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
+    attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+    return (
+        attn.view(num_kv_heads, group, n, head_dim)
+        .permute(2, 0, 1, 3)
+        .reshape(n, num_heads * head_dim)
+    )

@@ -1,0 +1,33 @@
+"""Engine configuration: one dataclass, defaults here, filled from YAML by entry points."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SchedulerConfig:
+    """Batch shape and fairness of the continuous-batching scheduler."""
+
+    max_num_seqs: int = 128  # requests resident in one batch
+    max_num_batched_tokens: int = 2048  # tokens computed per step (decodes + prefill chunks)
+    max_prefill_chunk: int | None = None  # per-request prefill cap per step; None = the budget
+    enable_chunked_prefill: bool = True  # False: a prompt is prefilled in one step or waits
+    aging_steps: int = 64  # a waiting request gains one priority level per this many steps
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs besides the checkpoint directory."""
+
+    dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # fixed KV pool size; None = sized from memory
+    kv_memory_fraction: float = 0.5  # of the memory left after weights, given to KV
+    max_model_len: int | None = None  # cap on prompt + output; None = the checkpoint's
+    enable_prefix_caching: bool = True
+    scheduler: SchedulerConfig | None = None
+    seed: int = 0  # for unseeded sampling
+
+    def __post_init__(self) -> None:
+        if self.scheduler is None:
+            self.scheduler = SchedulerConfig()

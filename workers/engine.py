@@ -1,0 +1,260 @@
+"""The engine: a scheduler, a KV manager and a model runner, stepped in one thread."""
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvcache import KVCacheManager
+from workers.config import EngineConfig
+from workers.detokenizer import IncrementalDetokenizer
+from workers.errors import ContextLengthError, InvalidRequestError
+from workers.request import FinishReason, Request
+from workers.runner import ModelRunner, TokenLogprobs
+from workers.sampling_params import SamplingParams
+from workers.scheduler import Scheduler
+from workers.tokenizer import CheckpointTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (a delta, not the whole output)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str  # "" when the engine has no tokenizer
+    finished: bool
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None  # the stop string or stop token id that ended it
+    num_prompt_tokens: int
+    num_output_tokens: int  # total so far
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class Completion:
+    """A whole finished generation (what `LLMEngine.generate` returns)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    num_cached_tokens: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    """Single-threaded engine. `AsyncEngine` runs one in its own thread for servers."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: CheckpointTokenizer | None,
+        config: EngineConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        assert config.scheduler is not None
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.clock = clock
+        self.kv = KVCacheManager(
+            runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv, clock)
+        self.max_model_len = min(runner.max_model_len, runner.kv_capacity_tokens)
+        eos = tokenizer.eos_token_ids if tokenizer else runner.model_config.eos_token_ids
+        self.eos_token_ids: tuple[int, ...] = eos
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens_computed = 0
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        config: EngineConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> "LLMEngine":
+        """Load a local Hugging Face directory (a tokenizer is optional)."""
+        model_dir = Path(model_dir)
+        config = config or EngineConfig()
+        runner = ModelRunner(model_dir, config)
+        has_tok = (model_dir / "tokenizer.json").is_file()
+        tokenizer = CheckpointTokenizer(model_dir) if has_tok else None
+        return cls(runner, tokenizer, config, clock)
+
+    # -- requests ---------------------------------------------------------------------
+
+    def make_request(
+        self,
+        request_id: str | None = None,
+        *,
+        prompt: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        deadline: float | None = None,
+    ) -> Request:
+        """Validate and tokenize a request. Touches no engine state, so any thread may call it."""
+        params = params or SamplingParams()
+        if (prompt is None) == (prompt_token_ids is None):
+            raise InvalidRequestError("give exactly one of prompt and prompt_token_ids", "prompt")
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer; send token ids", "prompt")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt_token_ids or [])
+            vocab = self.runner.model_config.vocab_size
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers in [0, {vocab})", "prompt"
+                )
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ContextLengthError(len(ids), params.max_tokens, self.max_model_len)
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer", "stop")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        return Request(
+            rid,
+            ids,
+            params,
+            arrival_time=self.clock(),
+            priority=priority,
+            deadline=deadline,
+            cache_salt=cache_salt,
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add(request)
+        if self.tokenizer is not None:
+            self._detok[request.request_id] = IncrementalDetokenizer(
+                self.tokenizer.backend,
+                request.prompt_token_ids,
+                request.params.stop,
+                request.params.skip_special_tokens,
+            )
+
+    def add_request(self, request_id: str | None = None, **kwargs) -> Request:
+        request = self.make_request(request_id, **kwargs)
+        self.add(request)
+        return request
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a request; its blocks are free when this returns. None if unknown."""
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return None
+        return self._output(req, [], None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and report what changed."""
+        sched = self.scheduler
+        out = sched.schedule()
+        outputs = [self._output(req, [], None) for req in out.expired]
+        if not out.scheduled:
+            return outputs
+        tables = {req.request_id: self.kv.block_table(req.request_id) for req, _ in out.scheduled}
+        sampled = self.runner.execute(out.scheduled, tables)
+        sched.advance(out)
+        self.num_prompt_tokens_computed += sum(n for _, n in out.scheduled) - len(sampled)
+        now = self.clock()
+        for req, _ in out.scheduled:
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.append_token(token.token_id)
+            self.num_generated_tokens += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self._check_stop(req, token.token_id)
+            lps = [token.logprobs] if token.logprobs is not None else None
+            outputs.append(self._output(req, [token.token_id], lps))
+        return outputs
+
+    def _check_stop(self, req: Request, token_id: int) -> None:
+        params = req.params
+        detok = self._detok.get(req.request_id)
+        past_min = req.num_output_tokens > params.min_tokens
+        if detok is not None:
+            detok.push(token_id, check_stops=past_min)
+        if past_min:
+            if not params.ignore_eos and token_id in req.eos_token_ids:
+                return self.scheduler.finish(req, FinishReason.STOP)
+            if token_id in params.stop_token_ids:
+                return self.scheduler.finish(req, FinishReason.STOP, token_id)
+            if detok is not None and detok.stop_hit is not None:
+                return self.scheduler.finish(req, FinishReason.STOP, detok.stop_hit)
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            self.scheduler.finish(req, FinishReason.LENGTH)
+
+    def _output(
+        self, req: Request, new_ids: list[int], logprobs: list[TokenLogprobs] | None
+    ) -> RequestOutput:
+        finished = req.is_finished
+        detok = (
+            self._detok.pop(req.request_id, None) if finished else self._detok.get(req.request_id)
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            new_text=detok.delta(finished) if detok is not None else "",
+            finished=finished,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            logprobs=logprobs,
+        )
+
+    # -- offline use ------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Run prompts (text or token ids) to completion; results in prompt order."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        reqs = []
+        for prompt, p in zip(prompts, params, strict=True):
+            if isinstance(prompt, str):
+                reqs.append(self.add_request(prompt=prompt, params=p))
+            else:
+                reqs.append(self.add_request(prompt_token_ids=list(prompt), params=p))
+        texts = {r.request_id: [] for r in reqs}
+        while self.has_unfinished_requests():
+            for o in self.step():
+                if o.request_id in texts:
+                    texts[o.request_id].append(o.new_text)
+        return [
+            Completion(
+                request_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                token_ids=list(r.output_token_ids),
+                text="".join(texts[r.request_id]),
+                finish_reason=r.finish_reason,
+                num_cached_tokens=max(r.num_cached_tokens, 0),
+                num_preemptions=r.num_preemptions,
+            )
+            for r in reqs
+        ]

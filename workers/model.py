@@ -1,0 +1,143 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) as one flat-batch forward pass.
+
+Every token of a step (decodes and prefill chunks of many sequences) goes through the
+linear layers as one matrix; only attention looks at sequence boundaries. Numerics follow
+transformers' modeling code (RMSNorm in fp32, rotate-half RoPE) so greedy output matches.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from workers.attention import AttentionMetadata, paged_attention, write_kv
+from workers.model_config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [q + k + v, hidden], fused
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # Qwen3 per-head RMSNorm
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden], fused
+    down: torch.Tensor
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+
+    def num_parameters(self) -> int:
+        tensors = [self.embed, self.norm]
+        if self.lm_head.data_ptr() != self.embed.data_ptr():
+            tensors.append(self.lm_head)
+        for layer in self.layers:
+            tensors += [t for t in vars(layer).values() if t is not None]
+        return sum(t.numel() for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
+    """Inverse rotary frequencies, computed as transformers computes them (fp32)."""
+    dim = cfg.head_dim
+    exps = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
+    inv = 1.0 / (cfg.rope_theta**exps)
+    scaling = cfg.rope_scaling
+    if not scaling:
+        return inv
+    factor = float(scaling["factor"])
+    if scaling.get("rope_type", scaling.get("type")) == "linear":
+        return inv / factor
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * torch.pi / inv
+    inv_llama = torch.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_llama / factor + smooth * inv_llama
+    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(is_medium, smoothed, inv_llama)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for every position, looked up per token."""
+
+    def __init__(
+        self, cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype
+    ):
+        inv = rope_inv_freq(cfg, device)
+        pos = torch.arange(max_positions, device=device, dtype=torch.float32)
+        freqs = pos[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(dtype)
+        self.sin = emb.sin().to(dtype)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class CausalLM:
+    """Forward pass over a flat batch with a paged KV cache."""
+
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, max_positions: int) -> None:
+        self.cfg = cfg
+        self.weights = weights
+        device, dtype = weights.embed.device, weights.embed.dtype
+        self.rotary = RotaryEmbedding(cfg, max_positions, device, dtype)
+        self.scale = cfg.head_dim**-0.5
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits ([len(logits_indices), vocab], fp32) of the rows that sample a token."""
+        cfg, w = self.cfg, self.weights
+        eps = cfg.rms_norm_eps
+        n = input_ids.shape[0]
+        h = F.embedding(input_ids, w.embed)
+        for layer, (k_cache, v_cache) in zip(w.layers, kv_caches, strict=True):
+            x = rms_norm(h, layer.input_norm, eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(n, cfg.num_heads, cfg.head_dim)
+            k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, eps)
+                k = rms_norm(k, layer.k_norm, eps)
+            q, k = self.rotary(q, k, positions)
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, block_size, self.scale)
+            h = h + F.linear(attn, layer.o)
+            x = rms_norm(h, layer.post_norm, eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+        h = rms_norm(h[logits_indices], w.norm, eps)
+        return F.linear(h, w.lm_head).float()

@@ -1,0 +1,207 @@
+"""The model runner: owns the weights and the KV tensors, turns a scheduled step into tokens."""
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from workers.attention import AttentionMetadata, PrefillSeq
+from workers.config import EngineConfig
+from workers.loader import load_weights, parse_dtype
+from workers.model import CausalLM
+from workers.model_config import ModelConfig, load_model_config
+from workers.request import Request
+from workers.sampler import compute_logprobs, make_sampling_batch, sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probability of a chosen token and the top alternatives, best first."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprobs: TokenLogprobs | None
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Memory free for the KV cache now: device memory on CUDA, MemAvailable on CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+def plan_num_kv_blocks(
+    available_bytes: int,
+    fraction: float,
+    bytes_per_token: int,
+    block_size: int,
+    max_useful_tokens: int,
+) -> int:
+    """KV blocks that fit in `fraction` of the free memory, no more than can ever be used."""
+    fit = int(available_bytes * fraction) // (bytes_per_token * block_size)
+    useful = -(-max_useful_tokens // block_size)
+    return max(min(fit, useful), 1)
+
+
+class ModelRunner:
+    """Runs one step of the model over a flat batch and samples the next tokens."""
+
+    def __init__(self, model_dir: Path, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = parse_dtype(config.dtype)
+        self.model_config = load_model_config(model_dir)
+        cfg = self.model_config
+        self.max_model_len = min(config.max_model_len or cfg.max_context, cfg.max_context)
+        weights = load_weights(cfg, model_dir, self.dtype, self.device)
+        self.num_parameters = weights.num_parameters()
+        self.model = CausalLM(cfg, weights, self.max_model_len)
+        self.block_size = config.block_size
+        per_token = kv_bytes_per_token(cfg, self.dtype)
+        if config.num_kv_blocks is not None:
+            self.num_kv_blocks = config.num_kv_blocks
+        else:
+            assert config.scheduler is not None
+            self.num_kv_blocks = plan_num_kv_blocks(
+                available_memory_bytes(self.device),
+                config.kv_memory_fraction,
+                per_token,
+                self.block_size,
+                config.scheduler.max_num_seqs * self.max_model_len,
+            )
+        num_slots = self.num_kv_blocks * self.block_size
+        shape = (cfg.num_kv_heads, num_slots, cfg.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+        self.kv_capacity_tokens = num_slots
+        log.info(
+            "loaded %s (%s, %.1fM parameters, %s on %s) in %.1fs; KV cache holds %d tokens "
+            "(%d blocks of %d, %.0f MiB)",
+            model_dir,
+            cfg.architecture,
+            self.num_parameters / 1e6,
+            config.dtype,
+            self.device,
+            time.perf_counter() - t0,
+            num_slots,
+            self.num_kv_blocks,
+            self.block_size,
+            num_slots * per_token / 2**20,
+        )
+
+    @torch.inference_mode()
+    def execute(
+        self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[int]]
+    ) -> dict[str, SampledToken]:
+        """Compute the scheduled tokens; sample for requests whose last token was computed."""
+        batch = sorted(scheduled, key=lambda item: item[1] > 1)  # decodes first (stable)
+        input_ids, positions, slots, logit_rows, samplers = self._flatten(batch, block_tables)
+        meta = self._metadata(batch, block_tables, slots)
+        dev = self.device
+        logits = self.model.forward(
+            torch.tensor(input_ids, device=dev),
+            torch.tensor(positions, device=dev),
+            meta,
+            self.kv_caches,
+            self.block_size,
+            torch.tensor(logit_rows, device=dev),
+        )
+        if not samplers:
+            return {}
+        for req in samplers:
+            if req.params.seed is not None and req.generator is None:
+                req.generator = torch.Generator(device=dev).manual_seed(req.params.seed)
+        sb = make_sampling_batch(samplers, dev)
+        tokens = sample(logits, sb)
+        token_list = tokens.tolist()
+        out = {}
+        if sb.max_logprobs is not None:
+            chosen, top_vals, top_ids = compute_logprobs(logits, tokens, sb.max_logprobs)
+            chosen_l, vals_l, ids_l = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
+        for row, req in enumerate(samplers):
+            lp = None
+            n = req.params.logprobs
+            if n is not None:
+                lp = TokenLogprobs(
+                    chosen_l[row], list(zip(ids_l[row][:n], vals_l[row][:n], strict=True))
+                )
+            out[req.request_id] = SampledToken(token_list[row], lp)
+        return out
+
+    def _flatten(self, batch: list[tuple[Request, int]], block_tables: dict[str, list[int]]):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        samplers: list[Request] = []
+        for req, n in batch:
+            start = req.num_computed_tokens
+            table = block_tables[req.request_id]
+            input_ids.extend(req.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if start + n == req.num_tokens:
+                logit_rows.append(len(input_ids) - 1)
+                samplers.append(req)
+        return input_ids, positions, slots, logit_rows, samplers
+
+    def _metadata(
+        self, batch: list[tuple[Request, int]], block_tables: dict[str, list[int]], slots: list[int]
+    ) -> AttentionMetadata:
+        bs, dev = self.block_size, self.device
+        decodes = [req for req, n in batch if n == 1]
+        tables = masks = None
+        if decodes:
+            rows = [block_tables[r.request_id] for r in decodes]
+            width = max(len(t) for t in rows)
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in rows], device=dev)
+            lengths = torch.tensor([r.num_computed_tokens + 1 for r in decodes], device=dev)
+            masks = torch.arange(width * bs, device=dev)[None, :] < lengths[:, None]
+        prefills = []
+        row = len(decodes)
+        for req, n in batch[len(decodes) :]:
+            ctx = req.num_computed_tokens
+            seq_slots = None
+            if ctx:
+                table = torch.tensor(block_tables[req.request_id], device=dev)
+                seq_slots = (table[:, None] * bs + torch.arange(bs, device=dev)).flatten()[
+                    : ctx + n
+                ]
+            prefills.append(PrefillSeq(row, n, ctx, seq_slots))
+            row += n
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=dev),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=tables,
+            decode_mask=masks,
+            prefills=prefills,
+        )

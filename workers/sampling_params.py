@@ -1,0 +1,63 @@
+"""Per-request sampling parameters, validated once at admission."""
+
+from dataclasses import dataclass, field
+
+from workers.errors import InvalidRequestError
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    `temperature == 0` means greedy. `top_k == 0` and `top_p == 1` and `min_p == 0` turn
+    those filters off. `seed` makes a sampled request reproducible on its own.
+    `logprobs` is None for none, or the number of top alternatives (0 = only the
+    chosen token's log-probability).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first bad field."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError("max_tokens must be an integer >= 1", "max_tokens")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise InvalidRequestError("temperature must be between 0 and 2", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p must be in (0, 1]", "top_p")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError("top_k must be an integer >= 0 (0 disables)", "top_k")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p must be in [0, 1]", "min_p")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError("min_tokens must be between 0 and max_tokens", "min_tokens")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty strings", "stop")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError(
+                "stop_token_ids must be non-negative integers", "stop_token_ids"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "logprobs"
+            )
