@@ -90,10 +90,13 @@ def _decode_attention(
     num_kv_heads = k_cache.shape[0]
     tables = meta.decode_block_tables
     assert tables is not None and meta.decode_mask is not None
-    shape = (num_kv_heads, -1, block_size, head_dim)
-    # [kv_heads, seqs, blocks, block_size, dim] -> [kv_heads, seqs, T, dim], contiguous.
-    keys = k_cache.view(shape)[:, tables].flatten(2, 3)
-    values = v_cache.view(shape)[:, tables].flatten(2, 3)
+    # index_select over whole blocks (block_size * dim contiguous values) is several times
+    # faster on CPU than advanced indexing. Result: [kv_heads, seqs, T, dim], contiguous.
+    shape = (num_kv_heads, -1, block_size * head_dim)
+    flat = tables.flatten()
+    out_shape = (num_kv_heads, num_seqs, -1, head_dim)
+    keys = torch.index_select(k_cache.view(shape), 1, flat).view(out_shape)
+    values = torch.index_select(v_cache.view(shape), 1, flat).view(out_shape)
     query = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)
     mask = meta.decode_mask[None, :, None, :]
     attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)

@@ -127,12 +127,12 @@ class ModelRunner:
         meta = self._metadata(batch, block_tables, slots)
         dev = self.device
         logits = self.model.forward(
-            torch.tensor(input_ids, device=dev),
-            torch.tensor(positions, device=dev),
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
             meta,
             self.kv_caches,
             self.block_size,
-            torch.tensor(logit_rows, device=dev),
+            torch.tensor(logit_rows, dtype=torch.long, device=dev),
         )
         if not samplers:
             return {}
@@ -199,7 +199,7 @@ class ModelRunner:
             prefills.append(PrefillSeq(row, n, ctx, seq_slots))
             row += n
         return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decode_tokens=len(decodes),
             decode_block_tables=tables,
             decode_mask=masks,

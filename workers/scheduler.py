@@ -104,7 +104,7 @@ class Scheduler:
                 req.num_tokens - req.num_computed_tokens,
                 budget,
                 cfg.max_prefill_chunk,
-                cfg.enable_chunked_prefill,
+                self._may_chunk(req),
             )
             if num_new == 0:
                 continue
@@ -128,7 +128,12 @@ class Scheduler:
             self.waiting,
             key=lambda r: effective_priority(r, self.step_count, cfg.aging_steps),
         )
-        out.expired = [r for r in order if r.deadline is not None and now > r.deadline]
+        # Only never-admitted requests expire: a preempted one has already streamed tokens.
+        out.expired = [
+            r
+            for r in order
+            if r.deadline is not None and r.first_scheduled_time is None and now > r.deadline
+        ]
         for req in out.expired:
             self.finish(req, FinishReason.DEADLINE)
         admitted: list[Request] = []
@@ -139,7 +144,7 @@ class Scheduler:
                 break
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = prefill_chunk(
-                req.num_tokens - num_hit, budget, cfg.max_prefill_chunk, cfg.enable_chunked_prefill
+                req.num_tokens - num_hit, budget, cfg.max_prefill_chunk, self._may_chunk(req)
             )
             # Strict order: the head waits for room rather than being bypassed; only
             # priority (bounded by ageing) lets newer work go first.
@@ -158,6 +163,12 @@ class Scheduler:
             ids = {id(r) for r in admitted}
             self.waiting = [r for r in self.waiting if id(r) not in ids]
             self.running.extend(admitted)
+
+    def _may_chunk(self, req: Request) -> bool:
+        # Without chunked prefill, a request longer than a whole step (a preempted one whose
+        # output grew past the budget) would wait forever at the head of the queue.
+        cfg = self.config
+        return cfg.enable_chunked_prefill or req.num_tokens > cfg.max_num_batched_tokens
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)

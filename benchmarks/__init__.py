@@ -1,0 +1,1 @@
+"""Measured comparisons (`switchyard bench …`): they report, they do not assert."""

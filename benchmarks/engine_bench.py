@@ -1,0 +1,242 @@
+"""`switchyard bench engine`: the engine against transformers, same weights, same run."""
+
+import json
+import logging
+import random
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from benchmarks.stats import markdown_table, write_report
+
+log = logging.getLogger(__name__)
+
+BENCH_MODEL = dict(
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=4096,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+
+
+@dataclass
+class BenchOptions:
+    out_dir: Path
+    num_requests: int = 64
+    hf_sample: int = 8
+    quick: bool = False  # a smoke run with tiny numbers; its figures mean nothing
+    scenarios: list[str] = field(default_factory=lambda: ["throughput", "prefix", "chunked"])
+    seed: int = 0
+
+
+def make_bench_checkpoint(path: Path) -> Path:
+    """The bench model: Llama, hidden 512, 8 layers, 8/4 heads, vocab 8192, fp32 (~32M)."""
+    if (path / "model.safetensors").is_file():
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**BENCH_MODEL)).eval().save_pretrained(path)
+    return path
+
+
+def make_workload(n: int, seed: int, quick: bool) -> list[tuple[list[int], int]]:
+    """n requests: prompt lengths uniform 32-512, output lengths uniform 16-256."""
+    rng = random.Random(seed)
+    hi_p, hi_o = (96, 32) if quick else (512, 256)
+    vocab = BENCH_MODEL["vocab_size"]
+    return [
+        ([rng.randrange(3, vocab) for _ in range(rng.randint(32, hi_p))], rng.randint(16, hi_o))
+        for _ in range(n)
+    ]
+
+
+def _run_child(system: str, spec: dict, tmp: Path) -> dict:
+    spec_path, out_path = tmp / f"{system}.spec.json", tmp / f"{system}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "benchmarks.engine_systems", system, str(spec_path), str(out_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        log.error("%s failed:\n%s", system, proc.stderr[-3000:])
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
+    return json.loads(out_path.read_text())
+
+
+def run_engine_bench(opts: BenchOptions) -> dict:
+    ckpt = make_bench_checkpoint(opts.out_dir / "bench-model")
+    rng = random.Random(opts.seed + 1)
+    vocab = BENCH_MODEL["vocab_size"]
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    work = make_workload(opts.num_requests, opts.seed, opts.quick)
+    jobs: list[tuple[str, dict]] = []
+    if "throughput" in opts.scenarios:
+        base = {"ckpt": str(ckpt), "workload": work, "budget": 2048}
+        jobs += [
+            ("switchyard", base),
+            ("hf_generate", {**base, "hf_sample": opts.hf_sample}),
+            ("hf_generate_batch", base),
+            (
+                "decode",
+                {
+                    "ckpt": str(ckpt),
+                    "decode_batch": 64,
+                    "decode_context": 64 if opts.quick else 256,
+                    "decode_steps": 8 if opts.quick else 32,
+                },
+            ),
+        ]
+    if "prefix" in opts.scenarios:
+        plen = 128 if opts.quick else 1024
+        jobs.append(
+            (
+                "prefix",
+                {
+                    "ckpt": str(ckpt),
+                    "prefix": tokens(plen),
+                    "suffixes": [tokens(rng.randint(32, 64)) for _ in range(32)],
+                    "max_tokens": 8,
+                    "budget": 2048,
+                },
+            )
+        )
+    if "chunked" in opts.scenarios:
+        jobs.append(
+            (
+                "chunked",
+                {
+                    "ckpt": str(ckpt),
+                    "streams": [tokens(64) for _ in range(16)],
+                    "stream_tokens": 400,
+                    "warm_steps": 20,
+                    "long_prompt": tokens(256 if opts.quick else 2048),
+                    "chunk_budget": 64,
+                },
+            )
+        )
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for system, spec in tqdm(jobs, desc="bench engine", unit="run"):
+            results[system] = _run_child(system, spec, Path(tmp))
+    report = summarize(results, opts)
+    json_path, md_path = write_report(opts.out_dir, "engine", report["data"], report["markdown"])
+    print(report["markdown"])
+    print(f"\nwrote {json_path} and {md_path}")
+    return report["data"]
+
+
+def summarize(results: dict[str, dict], opts: BenchOptions) -> dict:
+    data: dict = {
+        "options": {
+            "num_requests": opts.num_requests,
+            "hf_sample": opts.hf_sample,
+            "quick": opts.quick,
+        },
+        "results": results,
+    }
+    parts = []
+    sy, hg, hb = (results.get(k, {}) for k in ("switchyard", "hf_generate", "hf_generate_batch"))
+    if sy:
+        rows = []
+        for name, r in (
+            ("(a) switchyard engine", sy),
+            ("(b) transformers generate, one at a time", hg),
+            ("(c) transformers generate_batch (sdpa)", hb),
+        ):
+            rows.append({"system": name, **r})
+        cols = [
+            ("system", "system"),
+            ("tokens_per_s", "output tok/s"),
+            ("ttft_p50_ms", "TTFT p50 ms"),
+            ("ttft_p99_ms", "TTFT p99 ms"),
+            ("itl_p50_ms", "ITL p50 ms"),
+            ("itl_p99_ms", "ITL p99 ms"),
+            ("peak_rss_mib", "peak RSS MiB"),
+        ]
+        parts.append(
+            "## Throughput: %d requests, all at once\n\n" % opts.num_requests
+            + markdown_table(rows, cols)
+        )
+        speed = {
+            "vs_generate": sy.get("tokens_per_s", 0) / hg["tokens_per_s"]
+            if hg.get("tokens_per_s")
+            else None,
+            "vs_generate_batch": sy.get("tokens_per_s", 0) / hb["tokens_per_s"]
+            if hb.get("tokens_per_s")
+            else None,
+        }
+        data["speedup"] = speed
+        parts.append(
+            f"\nSpeed-up: {_x(speed['vs_generate'])} vs generate (target >= 12x), "
+            f"{_x(speed['vs_generate_batch'])} vs generate_batch (target >= 4x). "
+            f"(b) TTFT is per request with no queueing ({hg.get('requests_timed', 0)} requests timed)."
+        )
+    dec = results.get("decode")
+    if dec and "error" not in dec:
+        parts.append(
+            f"\n## Decode efficiency\n\nfp32 matmul peak {dec['matmul_peak_gflops']:.1f} GFLOP/s; engine decode at batch "
+            f"{dec['decode_batch']} (context ~{dec['decode_context']}) {dec['decode_gflops']:.1f} GFLOP/s = "
+            f"{dec['decode_fraction_of_peak']:.0%} of peak (target >= 50%), {dec['decode_step_ms']:.1f} ms/step."
+        )
+    pre = results.get("prefix")
+    if pre and "error" not in pre:
+        c, u = pre["cached"], pre["uncached"]
+        rows = [{"mode": "prefix caching on", **c}, {"mode": "prefix caching off", **u}]
+        cols = [
+            ("mode", "mode"),
+            ("ttft_p50_ms", "TTFT p50 ms"),
+            ("ttft_p99_ms", "TTFT p99 ms"),
+            ("prefill_tokens_computed", "prefill tokens computed"),
+            ("prompt_tokens", "prompt tokens"),
+        ]
+        ratio = u["ttft_p50_ms"] / c["ttft_p50_ms"]
+        saved = 1 - c["prefill_tokens_computed"] / max(u["prefill_tokens_computed"], 1)
+        data["prefix_summary"] = {"ttft_p50_ratio": ratio, "prefill_tokens_saved": saved}
+        parts.append(
+            "\n## Prefix caching: 32 requests sharing a long prefix\n\n"
+            + markdown_table(rows, cols)
+        )
+        parts.append(
+            f"\nTTFT p50 {ratio:.1f}x lower with caching (target >= 8x); {saved:.1%} fewer prefill tokens (target >= 90%)."
+        )
+    ch = results.get("chunked")
+    if ch and "error" not in ch:
+        rows = [{"mode": k, **v} for k, v in ch.items() if isinstance(v, dict)]
+        cols = [
+            ("mode", "mode"),
+            ("max_num_batched_tokens", "token budget"),
+            ("median_gap_ms", "median gap ms"),
+            ("worst_gap_ms", "worst gap ms"),
+            ("worst_over_median", "worst / median"),
+            ("long_prompt_ttft_ms", "long prompt TTFT ms"),
+        ]
+        parts.append(
+            "\n## Chunked prefill: 16 streams decoding when a long prompt arrives\n\n"
+            + markdown_table(rows, cols)
+        )
+        parts.append(
+            f"\nTarget: worst / median <= 3 with chunking; measured {ch['chunked']['worst_over_median']:.2f}."
+        )
+    errors = {k: v["error"] for k, v in results.items() if "error" in v}
+    if errors:
+        parts.append("\nFailed: " + json.dumps(errors))
+    if opts.quick:
+        parts.insert(0, "**Quick smoke run: the figures below are not the benchmark.**\n")
+    return {"data": data, "markdown": "\n".join(parts)}
+
+
+def _x(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.1f}x"

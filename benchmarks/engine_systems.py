@@ -1,0 +1,320 @@
+"""The systems and scenarios of `switchyard bench engine`, each run in its own process.
+
+`python -m benchmarks.engine_systems SYSTEM SPEC_JSON OUT_JSON` runs one of them, so
+each gets a clean process (its own peak memory) and they never share threads.
+"""
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.stats import latency_summary, percentile
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _engine(ckpt: str, *, num_blocks: int, budget: int, max_seqs: int, **kw: Any):
+    from workers.config import EngineConfig, SchedulerConfig
+    from workers.engine import LLMEngine
+
+    prefix = kw.pop("enable_prefix_caching", True)
+    sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, **kw)
+    cfg = EngineConfig(num_kv_blocks=num_blocks, scheduler=sched, enable_prefix_caching=prefix)
+    return LLMEngine.from_pretrained(ckpt, cfg)
+
+
+def _params(max_tokens: int):
+    from workers.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _drive(engine, t0: float, times: dict[str, list[float]]) -> None:
+    """Step until idle, stamping each new token with the wall time of its step."""
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.new_token_ids:
+                times.setdefault(o.request_id, []).append(now)
+
+
+def _timing_summary(t0: float, times: dict[str, list[float]], elapsed: float) -> dict[str, float]:
+    ttft = [ts[0] - t0 for ts in times.values()]
+    itl = [b - a for ts in times.values() for a, b in zip(ts, ts[1:], strict=False)]
+    n = sum(len(ts) for ts in times.values())
+    return {
+        "output_tokens": n,
+        "elapsed_s": elapsed,
+        "tokens_per_s": n / elapsed,
+        **latency_summary(ttft, itl),
+    }
+
+
+def run_switchyard(spec: dict) -> dict:
+    work = spec["workload"]
+    need = sum(len(p) + n for p, n in work)
+    engine = _engine(
+        spec["ckpt"], num_blocks=need // 16 + 64, budget=spec["budget"], max_seqs=len(work)
+    )
+    engine.generate([work[0][0][:32]], _params(4))  # warm-up
+    t0 = time.perf_counter()
+    for i, (prompt, n) in enumerate(work):
+        engine.add_request(f"r{i}", prompt_token_ids=prompt, params=_params(n))
+    times: dict[str, list[float]] = {}
+    _drive(engine, t0, times)
+    out = _timing_summary(t0, times, time.perf_counter() - t0)
+    out["num_preemptions"] = engine.scheduler.num_preemptions
+    return out
+
+
+class _Stamps:
+    """A transformers streamer that only records when each token arrived."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _hf_model(ckpt: str, attn: str = "sdpa"):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype=torch.float32, attn_implementation=attn
+    ).eval()
+
+
+def run_hf_generate(spec: dict) -> dict:
+    model = _hf_model(spec["ckpt"])
+    sample = spec["workload"][: spec["hf_sample"]]
+    kw = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+    with torch.inference_mode():
+        model.generate(torch.tensor([sample[0][0][:32]]), max_new_tokens=4, **kw)
+        ttft, itl, total_tokens, total_s = [], [], 0, 0.0
+        for prompt, n in sample:
+            stamps = _Stamps()
+            t0 = time.perf_counter()
+            model.generate(
+                torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, streamer=stamps, **kw
+            )
+            total_s += time.perf_counter() - t0
+            total_tokens += len(stamps.times)
+            ttft.append(stamps.times[0] - t0)
+            itl += [b - a for a, b in zip(stamps.times, stamps.times[1:], strict=False)]
+    return {
+        "output_tokens": total_tokens,
+        "elapsed_s": total_s,
+        "tokens_per_s": total_tokens / total_s,
+        "requests_timed": len(sample),
+        **latency_summary(ttft, itl),
+    }
+
+
+def run_hf_generate_batch(spec: dict) -> dict:
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.continuous_api import WorkloadHints
+
+    model = _hf_model(spec["ckpt"])
+    work = spec["workload"]
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in work), eos_token_id=-1)
+    hints = WorkloadHints(
+        max_prompt_length=max(len(p) for p, _ in work),
+        max_generated_length=max(n for _, n in work),
+        num_requests=len(work),
+    )
+    model.generate_batch([work[0][0][:32]], generation_config=gen, max_new_tokens=4)  # warm-up
+    cm = model.continuous_batching_context_manager(
+        generation_config=gen, block=True, timeout=5, workload_hints=hints
+    )
+    results = {}
+    with cm as manager:
+        t0 = time.perf_counter()
+        for i, (prompt, n) in enumerate(work):
+            manager.add_request(
+                prompt,
+                request_id=f"r{i}",
+                max_new_tokens=n,
+                record_timestamps=True,
+                eos_token_id=-1,
+            )
+        while len(results) < len(work):
+            res = manager.get_result(timeout=1)
+            if res is not None and res.is_finished():
+                results[res.request_id] = res
+        elapsed = time.perf_counter() - t0
+    times = {rid: list(r.timestamps or []) for rid, r in results.items()}
+    errors = [r.error for r in results.values() if r.error]
+    out = _timing_summary(t0, times, elapsed)
+    out["errors"] = errors[:3]
+    out["output_tokens"] = sum(len(r.generated_tokens) for r in results.values())
+    out["tokens_per_s"] = out["output_tokens"] / elapsed
+    return out
+
+
+def run_matmul_and_decode(spec: dict) -> dict:
+    """This machine's fp32 matmul peak, and the engine's decode FLOP/s at batch 64."""
+    best = 0.0
+    for size in (1024, 2048):
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        for _ in range(6):
+            t = time.perf_counter()
+            torch.mm(a, b)
+            best = max(best, 2 * size**3 / (time.perf_counter() - t))
+    batch, prompt_len, steps = spec["decode_batch"], spec["decode_context"], spec["decode_steps"]
+    engine = _engine(
+        spec["ckpt"],
+        num_blocks=batch * (prompt_len + steps + 8) // 16 + 64,
+        budget=4096,
+        max_seqs=batch,
+    )
+    gen = torch.Generator().manual_seed(7)
+    vocab = engine.runner.model_config.vocab_size
+    for i in range(batch):
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
+        engine.add_request(f"d{i}", prompt_token_ids=prompt, params=_params(steps + 2))
+    while engine.scheduler.num_running < batch or any(
+        r.num_output_tokens == 0 for r in engine.scheduler.running
+    ):
+        engine.step()
+    cfg = engine.runner.model_config
+    d, hd = cfg.hidden_size, cfg.head_dim
+    per_layer = (
+        d * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
+        + cfg.num_heads * hd * d
+        + 3 * d * cfg.intermediate_size
+    )
+    matmul_flops_per_token = 2 * (cfg.num_layers * per_layer + cfg.vocab_size * d)
+    flops, elapsed = 0.0, 0.0
+    for _ in range(steps):
+        ctx = sum(r.num_tokens for r in engine.scheduler.running)
+        t = time.perf_counter()
+        engine.step()
+        elapsed += time.perf_counter() - t
+        attn = 4 * ctx * cfg.num_heads * hd * cfg.num_layers
+        flops += batch * matmul_flops_per_token + attn
+    decode = flops / elapsed
+    return {
+        "matmul_peak_gflops": best / 1e9,
+        "decode_gflops": decode / 1e9,
+        "decode_fraction_of_peak": decode / best,
+        "decode_batch": batch,
+        "decode_context": prompt_len,
+        "decode_step_ms": elapsed / steps * 1e3,
+    }
+
+
+def run_prefix(spec: dict) -> dict:
+    """32 requests sharing a long prefix, with and without prefix caching."""
+    prefix, suffixes = spec["prefix"], spec["suffixes"]
+    out = {}
+    for caching in (True, False):
+        need = (len(prefix) + 80) * (len(suffixes) + 1)
+        engine = _engine(
+            spec["ckpt"],
+            num_blocks=need // 16 + 64,
+            budget=spec["budget"],
+            max_seqs=64,
+            enable_prefix_caching=caching,
+        )
+        engine.generate([prefix + suffixes[0]], _params(2))  # the prefix has been seen before
+        computed_before = engine.num_prompt_tokens_computed
+        t0 = time.perf_counter()
+        for i, s in enumerate(suffixes):
+            engine.add_request(
+                f"p{i}", prompt_token_ids=prefix + s, params=_params(spec["max_tokens"])
+            )
+        times: dict[str, list[float]] = {}
+        _drive(engine, t0, times)
+        summary = _timing_summary(t0, times, time.perf_counter() - t0)
+        summary["prefill_tokens_computed"] = engine.num_prompt_tokens_computed - computed_before
+        summary["prompt_tokens"] = sum(len(prefix) + len(s) for s in suffixes)
+        out["cached" if caching else "uncached"] = summary
+    return out
+
+
+def run_chunked(spec: dict) -> dict:
+    """16 decoding streams when a long prompt arrives: their worst gap vs median gap."""
+    out = {}
+    for name, chunked, budget in (
+        ("chunked", True, spec["chunk_budget"]),
+        ("unchunked", False, 4096),
+    ):
+        engine = _engine(
+            spec["ckpt"],
+            num_blocks=4096,
+            budget=budget,
+            max_seqs=32,
+            enable_chunked_prefill=chunked,
+        )
+        for i, p in enumerate(spec["streams"]):
+            engine.add_request(f"s{i}", prompt_token_ids=p, params=_params(spec["stream_tokens"]))
+        times: dict[str, list[float]] = {}
+        for _ in range(spec["warm_steps"]):
+            outs = engine.step()
+            now = time.perf_counter()
+            for o in outs:
+                times.setdefault(o.request_id, []).append(now)
+        arrival = time.perf_counter()
+        engine.add_request("long", prompt_token_ids=spec["long_prompt"], params=_params(4))
+        _drive(engine, arrival, times)
+        gaps = [
+            b - a
+            for rid, ts in times.items()
+            if rid != "long"
+            for a, b in zip(ts, ts[1:], strict=False)
+        ]
+        window = [
+            b - a
+            for rid, ts in times.items()
+            if rid != "long"
+            for a, b in zip(ts, ts[1:], strict=False)
+            if b >= arrival and a <= times["long"][0]
+        ]
+        med = percentile(gaps, 50)
+        out[name] = {
+            "median_gap_ms": med * 1e3,
+            "worst_gap_ms": max(gaps) * 1e3,
+            "worst_over_median": max(gaps) / med,
+            "long_prompt_ttft_ms": (times["long"][0] - arrival) * 1e3,
+            "gaps_while_prefilling": len(window),
+            "max_num_batched_tokens": budget,
+        }
+    return out
+
+
+SYSTEMS = {
+    "switchyard": run_switchyard,
+    "hf_generate": run_hf_generate,
+    "hf_generate_batch": run_hf_generate_batch,
+    "decode": run_matmul_and_decode,
+    "prefix": run_prefix,
+    "chunked": run_chunked,
+}
+
+
+def main() -> None:
+    system, spec_path, out_path = sys.argv[1:4]
+    spec = json.loads(Path(spec_path).read_text())
+    result = SYSTEMS[system](spec)
+    result["peak_rss_mib"] = _peak_rss_mib()
+    Path(out_path).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

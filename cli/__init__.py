@@ -1,0 +1,1 @@
+"""The `switchyard` command: the composition root of every process and tool."""

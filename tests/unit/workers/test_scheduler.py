@@ -1,0 +1,621 @@
+"""Scheduler: batch packing, chunked prefill, preemption, abort, deadlines and ageing.
+
+Engine steps are simulated without a model: every scheduled request whose prompt (or
+recomputed history) is fully computed gets one new token, and finishes once it has
+`max_tokens` of them.
+"""
+
+import random
+import subprocess
+import sys
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcache import KVCacheManager
+from workers.config import SchedulerConfig
+from workers.request import FinishReason, Request, RequestStatus
+from workers.sampling_params import SamplingParams
+from workers.scheduler import (
+    Scheduler,
+    SchedulerOutput,
+    effective_priority,
+    pick_victim,
+    prefill_chunk,
+)
+
+BLOCK_SIZE = 4
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def make_clock(start: float = 0.0) -> tuple[Callable[[], float], Callable[[float], None]]:
+    """A fake clock and its setter."""
+    now = start
+
+    def clock() -> float:
+        return now
+
+    def set_now(t: float) -> None:
+        nonlocal now
+        now = t
+
+    return clock, set_now
+
+
+def make_scheduler(
+    *,
+    num_blocks: int = 256,
+    clock: Callable[[], float] | None = None,
+    enable_prefix_caching: bool = True,
+    **config: Any,
+) -> Scheduler:
+    kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching)
+    return Scheduler(SchedulerConfig(**config), kv, clock or make_clock()[0])
+
+
+def make_request(
+    request_id: str,
+    prompt_len: int = 8,
+    *,
+    max_tokens: int = 4,
+    priority: int = 0,
+    deadline: float | None = None,
+    arrival_time: float = 0.0,
+    prompt: list[int] | None = None,
+) -> Request:
+    # Distinct token ids per request id so no two requests share a prefix by accident.
+    base = (zlib.crc32(request_id.encode()) % 10_000) * 1_000
+    tokens = prompt if prompt is not None else [base + i for i in range(prompt_len)]
+    return Request(
+        request_id,
+        tokens,
+        SamplingParams(max_tokens=max_tokens),
+        arrival_time=arrival_time,
+        priority=priority,
+        deadline=deadline,
+    )
+
+
+def make_requests(n: int, prompt_len: int = 8, *, prefix: str = "r", **kwargs) -> list[Request]:
+    return [
+        make_request(f"{prefix}{i}", prompt_len, arrival_time=float(i), **kwargs) for i in range(n)
+    ]
+
+
+def check_invariants(sched: Scheduler, out: SchedulerOutput) -> None:
+    cfg = sched.config
+    assert out.num_scheduled_tokens <= cfg.max_num_batched_tokens
+    assert len(sched.running) <= cfg.max_num_seqs
+    assert all(n >= 1 for _, n in out.scheduled)
+    assert len({r.request_id for r, _ in out.scheduled}) == len(out.scheduled)
+    pool = sched.kv.pool
+    assert pool.num_free_blocks + pool.num_used_blocks == pool.num_blocks
+
+
+def step(sched: Scheduler, token_id: int = 7) -> SchedulerOutput:
+    """One simulated engine step."""
+    out = sched.schedule()
+    check_invariants(sched, out)
+    sched.advance(out)
+    for req, _ in out.scheduled:
+        if req.num_computed_tokens == req.num_tokens:
+            req.append_token(token_id)
+            if req.num_output_tokens >= req.params.max_tokens:
+                sched.finish(req, FinishReason.LENGTH)
+    return out
+
+
+def run_to_completion(sched: Scheduler, max_steps: int = 2_000) -> list[SchedulerOutput]:
+    outs = []
+    while sched.has_unfinished():
+        assert len(outs) < max_steps, f"no progress: {sched.waiting=} {sched.running=}"
+        outs.append(step(sched))
+    return outs
+
+
+def scheduled_ids(out: SchedulerOutput) -> list[str]:
+    return [r.request_id for r, _ in out.scheduled]
+
+
+# -- pure policy functions --------------------------------------------------------------
+
+
+def test_scheduler_modules_import_without_torch() -> None:
+    code = (
+        "import sys, kvcache, workers.scheduler, workers.config, workers.request, "
+        "workers.sampling_params; assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("remaining", "budget", "cap", "chunked", "expected"),
+    [
+        (100, 32, None, True, 32),
+        (100, 32, 8, True, 8),
+        (5, 32, 8, True, 5),
+        (100, 32, 8, False, 0),
+        (32, 32, 8, False, 32),
+        (1, 1, None, True, 1),
+    ],
+)
+def test_prefill_chunk_respects_budget_cap_and_chunking(
+    remaining: int, budget: int, cap: int | None, chunked: bool, expected: int
+) -> None:
+    assert prefill_chunk(remaining, budget, cap, chunked) == expected
+
+
+def test_effective_priority_improves_one_level_per_aging_steps() -> None:
+    req = make_request("a", priority=5)
+    req.arrival_step = 10
+    assert effective_priority(req, 10, 4) == 5
+    assert effective_priority(req, 13, 4) == 5
+    assert effective_priority(req, 14, 4) == 4
+    assert effective_priority(req, 30, 4) == 0
+    assert effective_priority(req, 12, 0) == 3  # aging_steps 0 is treated as 1
+
+
+def test_pick_victim_prefers_lowest_priority_then_least_computed_then_newest() -> None:
+    high = make_request("high", priority=0, arrival_time=5.0)
+    low_busy = make_request("low_busy", priority=3, arrival_time=1.0)
+    low_busy.num_computed_tokens = 40
+    low_idle_old = make_request("low_idle_old", priority=3, arrival_time=1.0)
+    low_idle_old.num_computed_tokens = 8
+    low_idle_new = make_request("low_idle_new", priority=3, arrival_time=2.0)
+    low_idle_new.num_computed_tokens = 8
+
+    assert pick_victim([high, low_busy]) is low_busy
+    assert pick_victim([high, low_busy, low_idle_old]) is low_idle_old
+    assert pick_victim([low_idle_new, high, low_busy, low_idle_old]) is low_idle_new
+
+
+# -- batch packing ----------------------------------------------------------------------
+
+
+def test_add_rejects_duplicate_request_ids() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("a"))
+    with pytest.raises(ValueError):
+        sched.add(make_request("a"))
+    assert sched.num_waiting == 1
+
+
+def test_decodes_are_packed_before_prefill_chunks() -> None:
+    sched = make_scheduler(max_num_batched_tokens=16, max_prefill_chunk=8)
+    long = make_request("long", 40, max_tokens=2)
+    short = make_request("short", 4, max_tokens=8)
+    sched.add(long)
+    sched.add(short)
+    first = step(sched)
+    assert scheduled_ids(first) == ["long", "short"]
+
+    sched.add(make_request("new", 8))
+    out = step(sched)
+
+    # `long` is older in the running batch, yet the decode of `short` goes first.
+    assert out.scheduled[0] == (short, 1)
+    assert [(r.request_id, n) for r, n in out.scheduled[1:]] == [("long", 8), ("new", 7)]
+
+
+def test_token_budget_is_never_exceeded_and_is_filled() -> None:
+    rng = random.Random(0)
+    sched = make_scheduler(max_num_batched_tokens=24, max_num_seqs=8)
+    for i in range(30):
+        sched.add(make_request(f"r{i}", rng.randint(1, 60), max_tokens=rng.randint(1, 6)))
+    outs = run_to_completion(sched)
+    totals = [o.num_scheduled_tokens for o in outs]
+    assert max(totals) == 24  # check_invariants asserted <= 24 on every step
+
+
+def test_max_prefill_chunk_caps_each_step_of_a_prompt() -> None:
+    sched = make_scheduler(max_num_batched_tokens=64, max_prefill_chunk=8)
+    req = make_request("a", 30, max_tokens=1)
+    sched.add(req)
+    chunks = []
+    while sched.has_unfinished():
+        out = step(sched)
+        chunks.extend(n for r, n in out.scheduled if r is req)
+    assert chunks == [8, 8, 8, 6]
+
+
+def test_max_num_seqs_bounds_the_running_batch() -> None:
+    sched = make_scheduler(max_num_seqs=3)
+    for req in make_requests(10, 4, max_tokens=3):
+        sched.add(req)
+    first = step(sched)
+    assert len(first.scheduled) == 3
+    assert sched.num_running == 3 and sched.num_waiting == 7
+    outs = run_to_completion(sched)
+    assert max(len(o.scheduled) for o in outs) == 3
+
+
+def test_chunked_prefill_progresses_while_decodes_run_every_step() -> None:
+    sched = make_scheduler(max_num_batched_tokens=10)
+    decoders = make_requests(2, 4, prefix="d", max_tokens=20)
+    for req in decoders:
+        sched.add(req)
+    step(sched)
+    long = make_request("long", 40, max_tokens=1)
+    sched.add(long)
+
+    chunks = []
+    while not long.is_finished:
+        out = step(sched)
+        assert [(r.request_id, n) for r, n in out.scheduled[:2]] == [("d0", 1), ("d1", 1)]
+        chunks.extend(n for r, n in out.scheduled if r is long)
+    assert chunks == [8] * 5
+    assert all(d.num_output_tokens == 6 for d in decoders)
+
+
+def test_without_chunked_prefill_a_prompt_larger_than_the_remaining_budget_waits() -> None:
+    sched = make_scheduler(max_num_batched_tokens=16, enable_chunked_prefill=False)
+    decoder = make_request("d", 4, max_tokens=3)
+    sched.add(decoder)
+    step(sched)
+    prompt = make_request("p", 16, max_tokens=1)
+    sched.add(prompt)
+
+    out = step(sched)
+    assert out.scheduled == [(decoder, 1)]  # 15 tokens left: not enough for 16
+    assert prompt.status is RequestStatus.WAITING and prompt.num_computed_tokens == 0
+
+    step(sched)  # the decoder's last token
+    out = step(sched)
+    assert out.scheduled == [(prompt, 16)]
+
+
+def test_without_chunked_prefill_a_resumed_request_longer_than_a_step_is_chunked() -> None:
+    # `b` is preempted with 20+ tokens, more than one 16-token step can recompute at once.
+    sched = make_scheduler(num_blocks=10, max_num_batched_tokens=16, enable_chunked_prefill=False)
+    a = make_request("a", 8, max_tokens=30, priority=0)
+    b = make_request("b", 8, max_tokens=30, priority=1)
+    sched.add(a)
+    sched.add(b)
+
+    run_to_completion(sched, max_steps=200)
+
+    assert b.num_preemptions == 1
+    assert b.finish_reason is FinishReason.LENGTH and b.num_output_tokens == 30
+    assert sched.kv.num_free_blocks == sched.kv.num_total_blocks
+
+
+# -- preemption -------------------------------------------------------------------------
+
+
+def test_preemption_evicts_the_lowest_priority_request_to_the_head_of_waiting() -> None:
+    # Three 8-token prompts fill the 6-block pool; the first decode needs a seventh block.
+    sched = make_scheduler(num_blocks=6)
+    a = make_request("a", 8, max_tokens=4, priority=0)
+    b = make_request("b", 8, max_tokens=4, priority=1)
+    c = make_request("c", 7, max_tokens=4, priority=0)
+    for req in (a, b, c):
+        sched.add(req)
+    step(sched)
+    queued = make_request("queued", 4)
+    sched.add(queued)
+
+    out = step(sched)
+
+    assert out.preempted == [b]
+    assert sched.waiting[0] is b and sched.waiting[1] is queued
+    assert b.status is RequestStatus.WAITING
+    assert b.num_computed_tokens == 0 and b.num_preemptions == 1
+    assert sched.kv.block_table("b") == []
+    assert b not in sched.running
+    assert scheduled_ids(out) == ["a", "c"]
+    assert sched.num_preemptions == 1
+
+
+def test_preemption_among_equal_priorities_evicts_the_least_computed() -> None:
+    sched = make_scheduler(num_blocks=5)
+    big = make_request("big", 12, max_tokens=4)
+    small = make_request("small", 8, max_tokens=4)
+    sched.add(big)
+    sched.add(small)
+    step(sched)
+
+    out = step(sched)  # `big` needs a fourth block for token 13
+
+    assert out.preempted == [small]
+    assert small.num_computed_tokens == 0 and small.num_preemptions == 1
+    assert out.scheduled == [(big, 1)]
+
+
+def test_preempting_an_already_scheduled_victim_returns_its_tokens_to_the_budget() -> None:
+    sched = make_scheduler(num_blocks=4, max_num_batched_tokens=4)
+    low = make_request("low", 1, max_tokens=12, priority=1)
+    sched.add(low)
+    for _ in range(3):
+        step(sched)
+    grower = make_request("grower", 3, max_tokens=12)
+    long = make_request("long", 5, max_tokens=12)
+    sched.add(grower)
+    sched.add(long)
+    step(sched)
+    step(sched)
+    assert sched.kv.num_free_blocks == 0
+
+    # `low` decodes first, then `grower` needs a block and preempts it: low's token goes
+    # back to the budget, so `long` gets 3 tokens, not 2.
+    out = step(sched)
+
+    assert out.preempted == [low]
+    assert out.scheduled == [(grower, 1), (long, 3)]
+    assert out.num_scheduled_tokens == 4
+
+
+def test_a_request_that_is_itself_the_victim_is_not_scheduled() -> None:
+    sched = make_scheduler(num_blocks=4)
+    keep = make_request("keep", 7, max_tokens=4, priority=0)
+    victim = make_request("victim", 8, max_tokens=4, priority=2)
+    sched.add(keep)
+    sched.add(victim)
+    step(sched)
+
+    out = step(sched)  # `victim` needs a third block for token 9; none is free
+
+    assert out.preempted == [victim]
+    assert out.scheduled == [(keep, 1)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_all_requests_finish_with_a_pool_too_small_for_the_batch(seed: int) -> None:
+    rng = random.Random(seed)
+    # 12 blocks hold at most 48 tokens; the batch needs up to 10 * 24 at once.
+    sched = make_scheduler(num_blocks=12, max_num_batched_tokens=32, max_num_seqs=10)
+    requests = [
+        make_request(
+            f"r{i}",
+            rng.randint(6, 16),
+            max_tokens=rng.randint(4, 8),
+            priority=rng.randint(0, 2),
+            arrival_time=float(i),
+        )
+        for i in range(10)
+    ]
+    for req in requests:
+        sched.add(req)
+
+    run_to_completion(sched)
+
+    assert all(r.finish_reason is FinishReason.LENGTH for r in requests)
+    assert all(r.num_output_tokens == r.params.max_tokens for r in requests)
+    assert sched.num_preemptions > 0
+    assert sched.kv.num_free_blocks == sched.kv.num_total_blocks
+    assert sched.requests == {}
+
+
+def test_pool_is_entirely_free_after_everything_finishes() -> None:
+    sched = make_scheduler(num_blocks=64, max_num_batched_tokens=32)
+    for req in make_requests(12, 13, max_tokens=5):
+        sched.add(req)
+    run_to_completion(sched)
+    assert sched.kv.num_free_blocks == sched.kv.num_total_blocks
+    assert sched.kv.usage == 0.0
+
+
+# -- abort ------------------------------------------------------------------------------
+
+
+def test_abort_of_a_waiting_request_removes_it_before_it_runs() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    running, waiting = make_requests(2, 4, max_tokens=3)
+    sched.add(running)
+    sched.add(waiting)
+    step(sched)
+
+    assert sched.abort(waiting.request_id) is waiting
+
+    assert waiting.finish_reason is FinishReason.ABORT and waiting.is_finished
+    assert waiting not in sched.waiting
+    outs = run_to_completion(sched)
+    assert all(waiting.request_id not in scheduled_ids(o) for o in outs)
+    assert sched.kv.num_free_blocks == sched.kv.num_total_blocks
+
+
+def test_abort_mid_prefill_frees_its_blocks_immediately() -> None:
+    sched = make_scheduler(max_num_batched_tokens=8)
+    req = make_request("a", 30)
+    sched.add(req)
+    step(sched)
+    assert 0 < req.num_computed_tokens < req.num_prompt_tokens
+    assert sched.kv.num_free_blocks < sched.kv.num_total_blocks
+
+    sched.abort("a")
+
+    assert sched.kv.num_free_blocks == sched.kv.num_total_blocks
+    assert req.finish_reason is FinishReason.ABORT
+    assert not sched.has_unfinished()
+
+
+def test_abort_while_decoding_frees_its_blocks_immediately() -> None:
+    sched = make_scheduler()
+    req = make_request("a", 9, max_tokens=10)
+    sched.add(req)
+    step(sched)
+    step(sched)
+    assert req.num_output_tokens == 2
+
+    sched.abort("a")
+
+    assert sched.kv.num_free_blocks == sched.kv.num_total_blocks
+    assert req not in sched.running
+    assert sched.schedule().scheduled == []
+
+
+def test_abort_of_a_preempted_request_leaves_only_the_others_blocks_used() -> None:
+    sched = make_scheduler(num_blocks=4)
+    keep = make_request("keep", 7, max_tokens=4, priority=0)
+    victim = make_request("victim", 8, max_tokens=4, priority=2)
+    sched.add(keep)
+    sched.add(victim)
+    step(sched)
+    step(sched)
+    assert victim.num_preemptions == 1 and victim in sched.waiting
+
+    sched.abort("victim")
+
+    assert victim not in sched.waiting
+    assert victim.finish_reason is FinishReason.ABORT
+    assert sched.kv.num_free_blocks == sched.kv.num_total_blocks - len(sched.kv.block_table("keep"))
+    run_to_completion(sched)
+    assert sched.kv.num_free_blocks == sched.kv.num_total_blocks
+
+
+def test_abort_of_an_unknown_or_finished_request_returns_none() -> None:
+    sched = make_scheduler()
+    req = make_request("a", 4, max_tokens=1)
+    sched.add(req)
+    run_to_completion(sched)
+    assert sched.abort("a") is None
+    assert sched.abort("nobody") is None
+    assert req.finish_reason is FinishReason.LENGTH
+
+
+# -- deadlines --------------------------------------------------------------------------
+
+
+def test_request_past_its_deadline_is_expired_at_dequeue_and_never_scheduled() -> None:
+    clock, set_now = make_clock(0.0)
+    sched = make_scheduler(clock=clock, max_num_seqs=1)
+    blocker = make_request("blocker", 4, max_tokens=5)
+    late = make_request("late", 4, deadline=2.0)
+    sched.add(blocker)
+    sched.add(late)
+
+    outs = [step(sched)]
+    set_now(2.0)  # not yet past: `now > deadline` expires
+    outs.append(step(sched))
+    assert late.status is RequestStatus.WAITING
+    set_now(3.0)
+    expired_out = step(sched)
+    outs.append(expired_out)
+    outs.extend(run_to_completion(sched))
+
+    assert expired_out.expired == [late]
+    assert late.finish_reason is FinishReason.DEADLINE
+    assert late.num_computed_tokens == 0 and late.first_scheduled_time is None
+    assert all("late" not in scheduled_ids(o) for o in outs)
+    assert sum(len(o.expired) for o in outs) == 1
+    assert blocker.finish_reason is FinishReason.LENGTH
+
+
+def test_expiry_does_not_block_admission_of_the_next_request() -> None:
+    clock, set_now = make_clock(10.0)
+    sched = make_scheduler(clock=clock)
+    late = make_request("late", 4, deadline=5.0)
+    ok = make_request("ok", 4, deadline=50.0)
+    sched.add(late)
+    sched.add(ok)
+
+    out = step(sched)
+
+    assert out.expired == [late]
+    assert out.scheduled == [(ok, 4)]
+    assert ok.first_scheduled_time == 10.0
+
+
+def test_preempted_request_past_its_deadline_is_resumed_not_expired() -> None:
+    clock, set_now = make_clock(0.0)
+    sched = make_scheduler(clock=clock, num_blocks=4)
+    keep = make_request("keep", 7, max_tokens=4, priority=0)
+    victim = make_request("victim", 8, max_tokens=4, priority=2, deadline=1.0)
+    sched.add(keep)
+    sched.add(victim)
+    step(sched)  # both prefilled; `victim` has streamed a token
+    step(sched)
+    assert victim.num_preemptions == 1
+    set_now(5.0)
+
+    outs = run_to_completion(sched)
+
+    assert all(o.expired == [] for o in outs)
+    assert victim.finish_reason is FinishReason.LENGTH
+    assert victim.num_output_tokens == 4
+
+
+# -- fairness ---------------------------------------------------------------------------
+
+
+def test_low_priority_request_is_admitted_within_bounded_steps_under_a_steady_stream() -> None:
+    aging_steps, slack = 4, 3
+    sched = make_scheduler(max_num_seqs=4, max_num_batched_tokens=64, aging_steps=aging_steps)
+    low = make_request("low", 4, max_tokens=1, priority=5)
+    sched.add(low)
+
+    admitted_at = None
+    for step_no in range(1, aging_steps * 5 + slack + 1):
+        # Four new one-step requests a step fill all four sequence slots on their own.
+        for i in range(4):
+            sched.add(make_request(f"s{step_no}-{i}", 4, max_tokens=1, priority=0))
+        out = step(sched)
+        assert len(out.scheduled) == 4
+        if low in (r for r, _ in out.scheduled):
+            admitted_at = step_no
+            break
+
+    assert admitted_at is not None, "low-priority request starved"
+    assert admitted_at > aging_steps  # newer priority-0 work did go first for a while
+    assert admitted_at <= aging_steps * 5 + slack
+
+
+# -- prefix cache -----------------------------------------------------------------------
+
+
+def test_prefix_cache_hit_at_admission_skips_the_cached_tokens() -> None:
+    sched = make_scheduler()
+    prompt = list(range(100, 113))  # 13 tokens: three full blocks and one more
+    first = make_request("first", prompt=prompt, max_tokens=2)
+    sched.add(first)
+    run_to_completion(sched)
+    assert first.num_cached_tokens == 0
+
+    second = make_request("second", prompt=prompt[:12] + [7, 7, 7], max_tokens=2)
+    sched.add(second)
+    out = sched.schedule()
+
+    assert out.scheduled == [(second, 3)]
+    assert second.num_computed_tokens == 12
+    assert second.num_cached_tokens == 12
+    assert sched.kv.stats.num_hit_tokens == 12
+    sched.advance(out)
+    assert second.num_computed_tokens == second.num_tokens
+
+
+def test_resumed_request_reuses_its_cached_prefix_but_keeps_its_first_cache_count() -> None:
+    sched = make_scheduler(num_blocks=4)
+    keep = make_request("keep", 7, max_tokens=4, priority=0)
+    victim = make_request("victim", 8, max_tokens=4, priority=2)
+    sched.add(keep)
+    sched.add(victim)
+    step(sched)
+    step(sched)
+    assert victim.num_preemptions == 1 and victim.num_cached_tokens == 0
+
+    resumed = []
+    while sched.has_unfinished():
+        out = step(sched)
+        resumed.extend(n for r, n in out.scheduled if r is victim and n > 1)
+
+    # Its tail block was evicted first; the head block survived and is reused.
+    assert resumed == [victim.num_prompt_tokens + 1 - 4]
+    assert victim.num_cached_tokens == 0
+    assert victim.finish_reason is FinishReason.LENGTH
+
+
+def test_prefix_cache_off_computes_the_whole_prompt() -> None:
+    sched = make_scheduler(enable_prefix_caching=False)
+    prompt = list(range(100, 113))
+    sched.add(make_request("first", prompt=prompt, max_tokens=1))
+    run_to_completion(sched)
+    second = make_request("second", prompt=prompt, max_tokens=1)
+    sched.add(second)
+    out = sched.schedule()
+    assert out.scheduled == [(second, 13)]
+    assert second.num_cached_tokens == 0

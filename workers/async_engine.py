@@ -1,0 +1,141 @@
+"""Runs an LLMEngine in its own thread and streams its outputs to asyncio callers.
+
+The HTTP event loop never runs model code: it hands requests and aborts to the engine
+thread through a locked inbox, which the thread drains at each step boundary, and gets
+outputs back through `call_soon_threadsafe`.
+"""
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from workers.engine import LLMEngine, RequestOutput
+from workers.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped with an error; no request can make progress."""
+
+
+class AsyncEngine:
+    """Thread-safe front of an LLMEngine: `generate` streams, cancelling it aborts."""
+
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.5) -> None:
+        self.engine = engine
+        self.idle_wait_s = idle_wait_s
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._new: list[Request] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.error: BaseException | None = None
+        self.last_step_time = time.monotonic()  # heartbeat, read by health checks
+        self.num_steps = 0
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def is_idle(self) -> bool:
+        with self._lock:
+            pending = bool(self._new)
+        return not pending and not self.engine.has_unfinished_requests()
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Submit a request made by `engine.make_request` and yield its outputs.
+
+        Closing the iterator early (client gone, task cancelled) aborts the request;
+        its KV blocks are free after the engine's next step boundary.
+        """
+        if self.error is not None:
+            raise EngineDeadError(str(self.error))
+        queue: asyncio.Queue = asyncio.Queue()
+        rid = request.request_id
+        with self._lock:
+            self._streams[rid] = (asyncio.get_running_loop(), queue)
+            self._new.append(request)
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(str(item)) from item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(rid, None)
+                if not finished:
+                    self._aborts.append(rid)
+            if not finished:
+                self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    def _loop(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop:
+                with self._lock:
+                    new, self._new = self._new, []
+                    aborts, self._aborts = self._aborts, []
+                for req in new:
+                    engine.add(req)
+                for rid in aborts:
+                    out = engine.abort(rid)
+                    if out is not None:
+                        self._deliver([out])
+                if not engine.has_unfinished_requests():
+                    self.last_step_time = time.monotonic()
+                    self._wake.wait(self.idle_wait_s)
+                    self._wake.clear()
+                    continue
+                outputs = engine.step()
+                self.num_steps += 1
+                self.last_step_time = time.monotonic()
+                self._deliver(outputs)
+        except BaseException as exc:  # noqa: BLE001 (report any death to every waiter)
+            log.exception("engine loop died")
+            self.error = exc
+            with self._lock:
+                streams = list(self._streams.values())
+            for loop, queue in streams:
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._lock:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream[0], []).append((stream[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
