@@ -21,7 +21,9 @@ def make_prompts(n: int, seed: int, lo: int = 3, hi: int = 60) -> list[list[int]
 
 def make_engine(path: Path, *, num_blocks: int = 256, budget: int = 512, **kw) -> LLMEngine:
     sched = SchedulerConfig(max_num_batched_tokens=budget, **kw)
-    return LLMEngine.from_pretrained(path, EngineConfig(num_kv_blocks=num_blocks, block_size=4, scheduler=sched))
+    return LLMEngine.from_pretrained(
+        path, EngineConfig(num_kv_blocks=num_blocks, block_size=4, scheduler=sched)
+    )
 
 
 @pytest.fixture(scope="module")
