@@ -138,6 +138,88 @@ def run_engine_bench(opts: BenchOptions) -> dict:
     return report["data"]
 
 
+def _ratio(a: dict, b: dict) -> float | None:
+    if a.get("tokens_per_s") and b.get("tokens_per_s"):
+        return a["tokens_per_s"] / b["tokens_per_s"]
+    return None
+
+
+def _throughput_section(results: dict[str, dict], opts: BenchOptions, data: dict) -> list[str]:
+    sy, hg, hb = (results.get(k, {}) for k in ("switchyard", "hf_generate", "hf_generate_batch"))
+    rows = [
+        {"system": "(a) switchyard engine", **sy},
+        {"system": "(b) transformers generate, one at a time", **hg},
+        {"system": "(c) transformers generate_batch (sdpa)", **hb},
+    ]
+    cols = [
+        ("system", "system"),
+        ("tokens_per_s", "output tok/s"),
+        ("ttft_p50_ms", "TTFT p50 ms"),
+        ("ttft_p99_ms", "TTFT p99 ms"),
+        ("itl_p50_ms", "ITL p50 ms"),
+        ("itl_p99_ms", "ITL p99 ms"),
+        ("peak_rss_mib", "peak RSS MiB"),
+    ]
+    speed = {"vs_generate": _ratio(sy, hg), "vs_generate_batch": _ratio(sy, hb)}
+    data["speedup"] = speed
+    return [
+        f"## Throughput: {opts.num_requests} requests, all at once\n",
+        markdown_table(rows, cols),
+        f"\nSpeed-up: {_x(speed['vs_generate'])} vs generate (target >= 12x), "
+        f"{_x(speed['vs_generate_batch'])} vs generate_batch (target >= 4x). "
+        f"(b) is timed on {hg.get('requests_timed', 0)} requests; its TTFT has no queueing.",
+    ]
+
+
+def _decode_section(dec: dict) -> list[str]:
+    return [
+        "\n## Decode efficiency\n",
+        f"fp32 matmul peak {dec['matmul_peak_gflops']:.1f} GFLOP/s; engine decode at batch "
+        f"{dec['decode_batch']} (context ~{dec['decode_context']}): "
+        f"{dec['decode_gflops']:.1f} GFLOP/s = {dec['decode_fraction_of_peak']:.0%} of peak "
+        f"(target >= 50%), {dec['decode_step_ms']:.1f} ms/step.",
+    ]
+
+
+def _prefix_section(pre: dict, data: dict) -> list[str]:
+    c, u = pre["cached"], pre["uncached"]
+    rows = [{"mode": "prefix caching on", **c}, {"mode": "prefix caching off", **u}]
+    cols = [
+        ("mode", "mode"),
+        ("ttft_p50_ms", "TTFT p50 ms"),
+        ("ttft_p99_ms", "TTFT p99 ms"),
+        ("prefill_tokens_computed", "prefill tokens computed"),
+        ("prompt_tokens", "prompt tokens"),
+    ]
+    ratio = u["ttft_p50_ms"] / c["ttft_p50_ms"]
+    saved = 1 - c["prefill_tokens_computed"] / max(u["prefill_tokens_computed"], 1)
+    data["prefix_summary"] = {"ttft_p50_ratio": ratio, "prefill_tokens_saved": saved}
+    return [
+        "\n## Prefix caching: 32 requests sharing a long prefix\n",
+        markdown_table(rows, cols),
+        f"\nTTFT p50 {ratio:.1f}x lower with caching (target >= 8x); "
+        f"{saved:.1%} fewer prefill tokens computed (target >= 90%).",
+    ]
+
+
+def _chunked_section(ch: dict) -> list[str]:
+    rows = [{"mode": k, **v} for k, v in ch.items() if isinstance(v, dict)]
+    cols = [
+        ("mode", "mode"),
+        ("max_num_batched_tokens", "token budget"),
+        ("median_gap_ms", "median gap ms"),
+        ("worst_gap_ms", "worst gap ms"),
+        ("worst_over_median", "worst / median"),
+        ("long_prompt_ttft_ms", "long prompt TTFT ms"),
+    ]
+    return [
+        "\n## Chunked prefill: 16 streams decoding when a long prompt arrives\n",
+        markdown_table(rows, cols),
+        "\nTarget: worst / median <= 3 with chunking; measured "
+        f"{ch['chunked']['worst_over_median']:.2f}.",
+    ]
+
+
 def summarize(results: dict[str, dict], opts: BenchOptions) -> dict:
     data: dict = {
         "options": {
@@ -147,94 +229,19 @@ def summarize(results: dict[str, dict], opts: BenchOptions) -> dict:
         },
         "results": results,
     }
-    parts = []
-    sy, hg, hb = (results.get(k, {}) for k in ("switchyard", "hf_generate", "hf_generate_batch"))
-    if sy:
-        rows = []
-        for name, r in (
-            ("(a) switchyard engine", sy),
-            ("(b) transformers generate, one at a time", hg),
-            ("(c) transformers generate_batch (sdpa)", hb),
-        ):
-            rows.append({"system": name, **r})
-        cols = [
-            ("system", "system"),
-            ("tokens_per_s", "output tok/s"),
-            ("ttft_p50_ms", "TTFT p50 ms"),
-            ("ttft_p99_ms", "TTFT p99 ms"),
-            ("itl_p50_ms", "ITL p50 ms"),
-            ("itl_p99_ms", "ITL p99 ms"),
-            ("peak_rss_mib", "peak RSS MiB"),
-        ]
-        parts.append(
-            "## Throughput: %d requests, all at once\n\n" % opts.num_requests
-            + markdown_table(rows, cols)
-        )
-        speed = {
-            "vs_generate": sy.get("tokens_per_s", 0) / hg["tokens_per_s"]
-            if hg.get("tokens_per_s")
-            else None,
-            "vs_generate_batch": sy.get("tokens_per_s", 0) / hb["tokens_per_s"]
-            if hb.get("tokens_per_s")
-            else None,
-        }
-        data["speedup"] = speed
-        parts.append(
-            f"\nSpeed-up: {_x(speed['vs_generate'])} vs generate (target >= 12x), "
-            f"{_x(speed['vs_generate_batch'])} vs generate_batch (target >= 4x). "
-            f"(b) TTFT is per request with no queueing ({hg.get('requests_timed', 0)} requests timed)."
-        )
-    dec = results.get("decode")
-    if dec and "error" not in dec:
-        parts.append(
-            f"\n## Decode efficiency\n\nfp32 matmul peak {dec['matmul_peak_gflops']:.1f} GFLOP/s; engine decode at batch "
-            f"{dec['decode_batch']} (context ~{dec['decode_context']}) {dec['decode_gflops']:.1f} GFLOP/s = "
-            f"{dec['decode_fraction_of_peak']:.0%} of peak (target >= 50%), {dec['decode_step_ms']:.1f} ms/step."
-        )
-    pre = results.get("prefix")
-    if pre and "error" not in pre:
-        c, u = pre["cached"], pre["uncached"]
-        rows = [{"mode": "prefix caching on", **c}, {"mode": "prefix caching off", **u}]
-        cols = [
-            ("mode", "mode"),
-            ("ttft_p50_ms", "TTFT p50 ms"),
-            ("ttft_p99_ms", "TTFT p99 ms"),
-            ("prefill_tokens_computed", "prefill tokens computed"),
-            ("prompt_tokens", "prompt tokens"),
-        ]
-        ratio = u["ttft_p50_ms"] / c["ttft_p50_ms"]
-        saved = 1 - c["prefill_tokens_computed"] / max(u["prefill_tokens_computed"], 1)
-        data["prefix_summary"] = {"ttft_p50_ratio": ratio, "prefill_tokens_saved": saved}
-        parts.append(
-            "\n## Prefix caching: 32 requests sharing a long prefix\n\n"
-            + markdown_table(rows, cols)
-        )
-        parts.append(
-            f"\nTTFT p50 {ratio:.1f}x lower with caching (target >= 8x); {saved:.1%} fewer prefill tokens (target >= 90%)."
-        )
-    ch = results.get("chunked")
-    if ch and "error" not in ch:
-        rows = [{"mode": k, **v} for k, v in ch.items() if isinstance(v, dict)]
-        cols = [
-            ("mode", "mode"),
-            ("max_num_batched_tokens", "token budget"),
-            ("median_gap_ms", "median gap ms"),
-            ("worst_gap_ms", "worst gap ms"),
-            ("worst_over_median", "worst / median"),
-            ("long_prompt_ttft_ms", "long prompt TTFT ms"),
-        ]
-        parts.append(
-            "\n## Chunked prefill: 16 streams decoding when a long prompt arrives\n\n"
-            + markdown_table(rows, cols)
-        )
-        parts.append(
-            f"\nTarget: worst / median <= 3 with chunking; measured {ch['chunked']['worst_over_median']:.2f}."
-        )
+    ok = {k: v for k, v in results.items() if "error" not in v}
+    parts = ["**Quick smoke run: these figures are not the benchmark.**\n"] if opts.quick else []
+    if "switchyard" in results:
+        parts += _throughput_section(results, opts, data)
+    if "decode" in ok:
+        parts += _decode_section(ok["decode"])
+    if "prefix" in ok:
+        parts += _prefix_section(ok["prefix"], data)
+    if "chunked" in ok:
+        parts += _chunked_section(ok["chunked"])
     errors = {k: v["error"] for k, v in results.items() if "error" in v}
     if errors:
         parts.append("\nFailed: " + json.dumps(errors))
-    if opts.quick:
-        parts.insert(0, "**Quick smoke run: the figures below are not the benchmark.**\n")
     return {"data": data, "markdown": "\n".join(parts)}
 
 

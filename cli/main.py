@@ -22,7 +22,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from workers.sampling_params import SamplingParams
 
     try:
-        engine = LLMEngine.from_pretrained(args.model, EngineConfig(dtype=args.dtype, device=args.device))
+        engine = LLMEngine.from_pretrained(
+            args.model, EngineConfig(dtype=args.dtype, device=args.device)
+        )
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
@@ -70,8 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    models = sub.add_parser("models", help="checkpoint tools").add_subparsers(dest="action", required=True)
-    demo = models.add_parser("make-demo", help="write the tiny `small` and `large` demo checkpoints")
+    models = sub.add_parser("models", help="checkpoint tools").add_subparsers(
+        dest="action", required=True
+    )
+    demo = models.add_parser(
+        "make-demo", help="write the tiny `small` and `large` demo checkpoints"
+    )
     demo.add_argument("--out", default="models", help="output directory (default: models)")
     demo.set_defaults(func=_cmd_make_demo)
 
@@ -89,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu")
     gen.set_defaults(func=_cmd_generate)
 
-    bench = sub.add_parser("bench", help="measured comparisons").add_subparsers(dest="target", required=True)
+    bench = sub.add_parser("bench", help="measured comparisons").add_subparsers(
+        dest="target", required=True
+    )
     be = bench.add_parser("engine", help="engine vs transformers generate / generate_batch")
     be.add_argument("--out", default="bench-results", help="where JSON and markdown go")
     be.add_argument("--num-requests", type=int, default=64)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from workers.decode_workspace import DecodeWorkspace
+
 
 @dataclass
 class PrefillSeq:
@@ -33,6 +35,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] (padded with 0)
     decode_mask: torch.Tensor | None  # [num_decodes, max_blocks * block_size] True = attend
     prefills: list[PrefillSeq]
+    # With a decode workspace, decodes read their rows instead of gathering blocks.
+    workspace: "DecodeWorkspace | None" = None
+    decode_positions: torch.Tensor | None = None  # [num_decodes] position of each new token
 
 
 def write_kv(
@@ -51,6 +56,7 @@ def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    layer: int,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
@@ -67,7 +73,12 @@ def paged_attention(
     group = num_heads // num_kv_heads
     out = q.new_empty(num_tokens, num_heads * head_dim)
     nd = meta.num_decode_tokens
-    if nd:
+    if nd and meta.workspace is not None:
+        assert meta.decode_positions is not None and meta.decode_mask is not None
+        meta.workspace.append(layer, k[:nd], v[:nd], meta.decode_positions)
+        keys, values = meta.workspace.view(layer, nd, meta.decode_mask.shape[1])
+        out[:nd] = _grouped_decode(q[:nd], keys, values, meta.decode_mask, scale, group)
+    elif nd:
         out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, block_size, scale, group)
     for seq in meta.prefills:
         rows = slice(seq.start, seq.start + seq.num_tokens)
@@ -97,9 +108,23 @@ def _decode_attention(
     out_shape = (num_kv_heads, num_seqs, -1, head_dim)
     keys = torch.index_select(k_cache.view(shape), 1, flat).view(out_shape)
     values = torch.index_select(v_cache.view(shape), 1, flat).view(out_shape)
-    query = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)
-    mask = meta.decode_mask[None, :, None, :]
-    attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+    return _grouped_decode(q, keys, values, meta.decode_mask, scale, group)
+
+
+def _grouped_decode(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    group: int,
+) -> torch.Tensor:
+    """One query token per sequence; keys/values [kv_heads, seqs, T, dim], mask [seqs, T]."""
+    num_seqs, num_heads, head_dim = q.shape
+    query = q.view(num_seqs, num_heads // group, group, head_dim).transpose(0, 1)
+    attn = F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask[None, :, None, :], scale=scale
+    )
     return attn.transpose(0, 1).reshape(num_seqs, num_heads * head_dim)
 
 

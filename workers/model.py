@@ -122,7 +122,7 @@ class CausalLM:
         eps = cfg.rms_norm_eps
         n = input_ids.shape[0]
         h = F.embedding(input_ids, w.embed)
-        for layer, (k_cache, v_cache) in zip(w.layers, kv_caches, strict=True):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(w.layers, kv_caches, strict=True)):
             x = rms_norm(h, layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -134,7 +134,7 @@ class CausalLM:
                 k = rms_norm(k, layer.k_norm, eps)
             q, k = self.rotary(q, k, positions)
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, block_size, self.scale)
+            attn = paged_attention(q, k, v, i, k_cache, v_cache, meta, block_size, self.scale)
             h = h + F.linear(attn, layer.o)
             x = rms_norm(h, layer.post_norm, eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)

@@ -10,6 +10,7 @@ import torch
 
 from workers.attention import AttentionMetadata, PrefillSeq
 from workers.config import EngineConfig
+from workers.decode_workspace import DecodeWorkspace
 from workers.loader import load_weights, parse_dtype
 from workers.model import CausalLM
 from workers.model_config import ModelConfig, load_model_config
@@ -102,6 +103,11 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.kv_capacity_tokens = num_slots
+        self.workspace = (
+            DecodeWorkspace(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+            if config.decode_workspace
+            else None
+        )
         log.info(
             "loaded %s (%s, %.1fM parameters, %s on %s) in %.1fs; KV cache holds %d tokens "
             "(%d blocks of %d, %.0f MiB)",
@@ -123,6 +129,17 @@ class ModelRunner:
     ) -> dict[str, SampledToken]:
         """Compute the scheduled tokens; sample for requests whose last token was computed."""
         batch = sorted(scheduled, key=lambda item: item[1] > 1)  # decodes first (stable)
+        num_decodes = sum(1 for _, n in batch if n == 1)
+        if self.workspace is not None and num_decodes:
+            decodes = [req for req, _ in batch[:num_decodes]]
+            order = self.workspace.prepare(
+                [r.request_id for r in decodes],
+                [r.num_computed_tokens for r in decodes],
+                [block_tables[r.request_id] for r in decodes],
+                self.kv_caches,
+                self.block_size,
+            )
+            batch = [batch[i] for i in order] + batch[num_decodes:]
         input_ids, positions, slots, logit_rows, samplers = self._flatten(batch, block_tables)
         meta = self._metadata(batch, block_tables, slots)
         dev = self.device
@@ -134,6 +151,8 @@ class ModelRunner:
             self.block_size,
             torch.tensor(logit_rows, dtype=torch.long, device=dev),
         )
+        if meta.workspace is not None:
+            self.workspace.commit([req.request_id for req, _ in batch[:num_decodes]])
         if not samplers:
             return {}
         for req in samplers:
@@ -179,13 +198,20 @@ class ModelRunner:
     ) -> AttentionMetadata:
         bs, dev = self.block_size, self.device
         decodes = [req for req, n in batch if n == 1]
-        tables = masks = None
+        tables = masks = positions = None
+        use_ws = self.workspace is not None and bool(decodes)
         if decodes:
-            rows = [block_tables[r.request_id] for r in decodes]
-            width = max(len(t) for t in rows)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in rows], device=dev)
-            lengths = torch.tensor([r.num_computed_tokens + 1 for r in decodes], device=dev)
-            masks = torch.arange(width * bs, device=dev)[None, :] < lengths[:, None]
+            computed = [r.num_computed_tokens for r in decodes]
+            if use_ws:
+                span = max(computed) + 1
+                positions = torch.tensor(computed, dtype=torch.long, device=dev)
+            else:
+                rows = [block_tables[r.request_id] for r in decodes]
+                width = max(len(t) for t in rows)
+                tables = torch.tensor([t + [0] * (width - len(t)) for t in rows], device=dev)
+                span = width * bs
+            lengths = torch.tensor(computed, device=dev) + 1
+            masks = torch.arange(span, device=dev)[None, :] < lengths[:, None]
         prefills = []
         row = len(decodes)
         for req, n in batch[len(decodes) :]:
@@ -204,4 +230,6 @@ class ModelRunner:
             decode_block_tables=tables,
             decode_mask=masks,
             prefills=prefills,
+            workspace=self.workspace if use_ws else None,
+            decode_positions=positions,
         )

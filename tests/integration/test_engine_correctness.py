@@ -19,11 +19,14 @@ def make_prompts(n: int, seed: int, lo: int = 3, hi: int = 60) -> list[list[int]
     return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def make_engine(path: Path, *, num_blocks: int = 256, budget: int = 512, **kw) -> LLMEngine:
+def make_engine(
+    path: Path, *, num_blocks: int = 256, budget: int = 512, workspace: bool = True, **kw
+) -> LLMEngine:
     sched = SchedulerConfig(max_num_batched_tokens=budget, **kw)
-    return LLMEngine.from_pretrained(
-        path, EngineConfig(num_kv_blocks=num_blocks, block_size=4, scheduler=sched)
+    cfg = EngineConfig(
+        num_kv_blocks=num_blocks, block_size=4, scheduler=sched, decode_workspace=workspace
     )
+    return LLMEngine.from_pretrained(path, cfg)
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +44,12 @@ def test_greedy_batch_of_mixed_lengths_matches_transformers(arch, checkpoints, r
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_greedy_with_forced_chunked_prefill_matches_transformers(arch, checkpoints, references):
+@pytest.mark.parametrize("workspace", [True, False], ids=["workspace", "block-gather"])
+def test_greedy_with_forced_chunked_prefill_matches_transformers(
+    arch, workspace, checkpoints, references
+):
     prompts = make_prompts(4, seed=2, lo=30, hi=90)
-    engine = make_engine(checkpoints[arch], budget=16, max_prefill_chunk=7)
+    engine = make_engine(checkpoints[arch], budget=16, max_prefill_chunk=7, workspace=workspace)
     results = engine.generate(prompts, GREEDY)
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == reference_greedy(references[arch], prompt, GREEDY.max_tokens)
@@ -65,11 +71,12 @@ def test_greedy_with_prefix_cache_hits_matches_transformers(llama_dir, reference
     assert again.token_ids == first[0].token_ids
 
 
-def test_greedy_with_forced_preemption_matches_transformers(llama_dir, references):
+@pytest.mark.parametrize("workspace", [True, False], ids=["workspace", "block-gather"])
+def test_greedy_with_forced_preemption_matches_transformers(workspace, llama_dir, references):
     prompts = make_prompts(6, seed=5, lo=20, hi=40)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     # 40 blocks of 4 = 160 tokens: far less than the 6 x ~70 the batch needs.
-    engine = make_engine(llama_dir, num_blocks=40, enable_chunked_prefill=True)
+    engine = make_engine(llama_dir, num_blocks=40, workspace=workspace)
     results = engine.generate(prompts, params)
     assert sum(r.num_preemptions for r in results) > 0
     for prompt, result in zip(prompts, results, strict=True):
