@@ -53,6 +53,27 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from cli.config_files import fill, read_yaml
+    from workers.config import EngineConfig
+    from workers.process import serve_worker
+    from workers.service import WorkerConfig
+
+    raw = read_yaml(args.config)
+    engine_cfg = fill(EngineConfig, raw.get("engine"), f"{args.config}: engine")
+    worker_cfg = fill(WorkerConfig, raw.get("worker"), f"{args.config}: worker")
+    if args.served_model_name:
+        worker_cfg.served_model_names = args.served_model_name
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        print(
+            f"error: {model_dir} is not a Hugging Face checkpoint (no config.json)", file=sys.stderr
+        )
+        return 2
+    serve_worker(model_dir, engine_cfg, worker_cfg, args.host, args.port)
+    return 0
+
+
 def _cmd_bench_engine(args: argparse.Namespace) -> int:
     from benchmarks.engine_bench import BenchOptions, run_engine_bench
 
@@ -94,6 +115,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     gen.add_argument("--device", default="cpu")
     gen.set_defaults(func=_cmd_generate)
+
+    worker = sub.add_parser("worker", help="serve one model over OpenAI-compatible HTTP")
+    worker.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
+    worker.add_argument("--host", default="127.0.0.1")
+    worker.add_argument("--port", type=int, default=8100)
+    worker.add_argument("--config", default=None, help="YAML with `engine:` and `worker:` sections")
+    worker.add_argument(
+        "--served-model-name", action="append", help="model name(s) to answer to (repeatable)"
+    )
+    worker.set_defaults(func=_cmd_worker)
 
     bench = sub.add_parser("bench", help="measured comparisons").add_subparsers(
         dest="target", required=True

@@ -90,6 +90,17 @@ class AsyncEngine:
             if not finished:
                 self._wake.set()
 
+    def queue_snapshot(self) -> tuple[int, int]:
+        """(requests waiting, their prompt tokens not yet computed), new arrivals included.
+
+        Read without stopping the engine thread: a close, cheap estimate for admission.
+        """
+        with self._lock:
+            pending = list(self._new)
+        waiting = list(self.engine.scheduler.waiting)
+        reqs = pending + waiting
+        return len(reqs), sum(r.num_tokens - r.num_computed_tokens for r in reqs)
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._aborts.append(request_id)

@@ -28,16 +28,22 @@ class PrefillSeq:
 
 @dataclass
 class AttentionMetadata:
-    """How the flat batch of one step maps onto sequences and cache slots."""
+    """How the flat batch of one step maps onto sequences and cache slots.
+
+    Rows of the flat batch: workspace decodes, then gather decodes, then prefill chunks.
+    """
 
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's K/V is written to
-    num_decode_tokens: int  # the first rows are decodes, one token per sequence
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] (padded with 0)
-    decode_mask: torch.Tensor | None  # [num_decodes, max_blocks * block_size] True = attend
     prefills: list[PrefillSeq]
-    # With a decode workspace, decodes read their rows instead of gathering blocks.
-    workspace: "DecodeWorkspace | None" = None
-    decode_positions: torch.Tensor | None = None  # [num_decodes] position of each new token
+    # Decodes that read their rows of the decode workspace (in row order).
+    num_workspace_decodes: int = 0
+    workspace: DecodeWorkspace | None = None
+    workspace_positions: torch.Tensor | None = None  # [n] position of each new token
+    workspace_mask: torch.Tensor | None = None  # [n, T] True = attend
+    # Decodes that gather their blocks from the paged cache.
+    num_gather_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [n, max_blocks] (padded with 0)
+    decode_mask: torch.Tensor | None = None  # [n, max_blocks * block_size] True = attend
 
 
 def write_kv(
@@ -72,14 +78,16 @@ def paged_attention(
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     out = q.new_empty(num_tokens, num_heads * head_dim)
-    nd = meta.num_decode_tokens
-    if nd and meta.workspace is not None:
-        assert meta.decode_positions is not None and meta.decode_mask is not None
-        meta.workspace.append(layer, k[:nd], v[:nd], meta.decode_positions)
-        keys, values = meta.workspace.view(layer, nd, meta.decode_mask.shape[1])
-        out[:nd] = _grouped_decode(q[:nd], keys, values, meta.decode_mask, scale, group)
-    elif nd:
-        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, block_size, scale, group)
+    nw, ng = meta.num_workspace_decodes, meta.num_gather_decodes
+    if nw:
+        ws, mask = meta.workspace, meta.workspace_mask
+        assert ws is not None and mask is not None and meta.workspace_positions is not None
+        ws.append(layer, k[:nw], v[:nw], meta.workspace_positions)
+        keys, values = ws.view(layer, nw, mask.shape[1])
+        out[:nw] = _grouped_decode(q[:nw], keys, values, mask, scale, group)
+    if ng:
+        rows = slice(nw, nw + ng)
+        out[rows] = _decode_attention(q[rows], k_cache, v_cache, meta, block_size, scale, group)
     for seq in meta.prefills:
         rows = slice(seq.start, seq.start + seq.num_tokens)
         out[rows] = _prefill_attention(

@@ -25,9 +25,10 @@ class EngineConfig:
     kv_memory_fraction: float = 0.5  # of the memory left after weights, given to KV
     max_model_len: int | None = None  # cap on prompt + output; None = the checkpoint's
     enable_prefix_caching: bool = True
-    # Keep decoding sequences' KV also in contiguous rows (more memory, far less
-    # bandwidth per decode step on CPUs); False = gather blocks every step.
-    decode_workspace: bool = True
+    # Decoding sequences whose context fits in this many tokens also keep their KV in
+    # contiguous rows, allocated at start-up (max_num_seqs x this many tokens): more
+    # memory, far less bandwidth per decode step on CPUs. 0 = gather blocks every step.
+    decode_workspace_tokens: int = 1024
     scheduler: SchedulerConfig | None = None
     seed: int = 0  # for unseeded sampling
 

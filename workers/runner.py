@@ -103,11 +103,18 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.kv_capacity_tokens = num_slots
-        self.workspace = (
-            DecodeWorkspace(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
-            if config.decode_workspace
-            else None
-        )
+        self.workspace = None
+        if config.decode_workspace_tokens > 0:
+            assert config.scheduler is not None
+            self.workspace = DecodeWorkspace(
+                cfg.num_layers,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                config.scheduler.max_num_seqs,
+                min(config.decode_workspace_tokens, self.max_model_len),
+                self.dtype,
+                self.device,
+            )
         log.info(
             "loaded %s (%s, %.1fM parameters, %s on %s) in %.1fs; KV cache holds %d tokens "
             "(%d blocks of %d, %.0f MiB)",
@@ -122,26 +129,22 @@ class ModelRunner:
             self.block_size,
             num_slots * per_token / 2**20,
         )
+        if self.workspace is not None:
+            log.info(
+                "decode workspace: %d rows x %d tokens (%.0f MiB)",
+                self.workspace.max_rows,
+                self.workspace.max_tokens,
+                self.workspace.nbytes() / 2**20,
+            )
 
     @torch.inference_mode()
     def execute(
         self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[int]]
     ) -> dict[str, SampledToken]:
         """Compute the scheduled tokens; sample for requests whose last token was computed."""
-        batch = sorted(scheduled, key=lambda item: item[1] > 1)  # decodes first (stable)
-        num_decodes = sum(1 for _, n in batch if n == 1)
-        if self.workspace is not None and num_decodes:
-            decodes = [req for req, _ in batch[:num_decodes]]
-            order = self.workspace.prepare(
-                [r.request_id for r in decodes],
-                [r.num_computed_tokens for r in decodes],
-                [block_tables[r.request_id] for r in decodes],
-                self.kv_caches,
-                self.block_size,
-            )
-            batch = [batch[i] for i in order] + batch[num_decodes:]
+        batch, num_ws = self._order(scheduled, block_tables)
         input_ids, positions, slots, logit_rows, samplers = self._flatten(batch, block_tables)
-        meta = self._metadata(batch, block_tables, slots)
+        meta = self._metadata(batch, num_ws, block_tables, slots)
         dev = self.device
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
@@ -151,8 +154,8 @@ class ModelRunner:
             self.block_size,
             torch.tensor(logit_rows, dtype=torch.long, device=dev),
         )
-        if meta.workspace is not None:
-            self.workspace.commit([req.request_id for req, _ in batch[:num_decodes]])
+        if num_ws:
+            self.workspace.commit([req.request_id for req, _ in batch[:num_ws]])
         if not samplers:
             return {}
         for req in samplers:
@@ -175,6 +178,27 @@ class ModelRunner:
             out[req.request_id] = SampledToken(token_list[row], lp)
         return out
 
+    def _order(
+        self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[int]]
+    ) -> tuple[list[tuple[Request, int]], int]:
+        """Workspace decodes (in row order), then gather decodes, then prefill chunks."""
+        decodes = [item for item in scheduled if item[1] == 1]
+        prefills = [item for item in scheduled if item[1] > 1]
+        ws = self.workspace
+        if ws is None or not decodes:
+            return decodes + prefills, 0
+        use = [d for d in decodes if ws.fits(d[0].num_computed_tokens)][: ws.max_rows]
+        chosen = {id(d) for d in use}
+        rest = [d for d in decodes if id(d) not in chosen]
+        order = ws.prepare(
+            [r.request_id for r, _ in use],
+            [r.num_computed_tokens for r, _ in use],
+            [block_tables[r.request_id] for r, _ in use],
+            self.kv_caches,
+            self.block_size,
+        )
+        return [use[i] for i in order] + rest + prefills, len(use)
+
     def _flatten(self, batch: list[tuple[Request, int]], block_tables: dict[str, list[int]]):
         bs = self.block_size
         input_ids: list[int] = []
@@ -194,42 +218,47 @@ class ModelRunner:
         return input_ids, positions, slots, logit_rows, samplers
 
     def _metadata(
-        self, batch: list[tuple[Request, int]], block_tables: dict[str, list[int]], slots: list[int]
+        self,
+        batch: list[tuple[Request, int]],
+        num_ws: int,
+        block_tables: dict[str, list[int]],
+        slots: list[int],
     ) -> AttentionMetadata:
         bs, dev = self.block_size, self.device
-        decodes = [req for req, n in batch if n == 1]
-        tables = masks = positions = None
-        use_ws = self.workspace is not None and bool(decodes)
-        if decodes:
-            computed = [r.num_computed_tokens for r in decodes]
-            if use_ws:
-                span = max(computed) + 1
-                positions = torch.tensor(computed, dtype=torch.long, device=dev)
-            else:
-                rows = [block_tables[r.request_id] for r in decodes]
-                width = max(len(t) for t in rows)
-                tables = torch.tensor([t + [0] * (width - len(t)) for t in rows], device=dev)
-                span = width * bs
-            lengths = torch.tensor(computed, device=dev) + 1
-            masks = torch.arange(span, device=dev)[None, :] < lengths[:, None]
-        prefills = []
-        row = len(decodes)
-        for req, n in batch[len(decodes) :]:
+        num_decodes = sum(1 for _, n in batch if n == 1)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), prefills=[]
+        )
+        if num_ws:
+            computed = [r.num_computed_tokens for r, _ in batch[:num_ws]]
+            positions = torch.tensor(computed, dtype=torch.long, device=dev)
+            meta.num_workspace_decodes = num_ws
+            meta.workspace = self.workspace
+            meta.workspace_positions = positions
+            meta.workspace_mask = _length_mask(positions + 1, max(computed) + 1)
+        gather = [r for r, _ in batch[num_ws:num_decodes]]
+        if gather:
+            rows = [block_tables[r.request_id] for r in gather]
+            width = max(len(t) for t in rows)
+            meta.num_gather_decodes = len(gather)
+            meta.decode_block_tables = torch.tensor(
+                [t + [0] * (width - len(t)) for t in rows], device=dev
+            )
+            lengths = torch.tensor([r.num_computed_tokens + 1 for r in gather], device=dev)
+            meta.decode_mask = _length_mask(lengths, width * bs)
+        row = num_decodes
+        for req, n in batch[num_decodes:]:
             ctx = req.num_computed_tokens
             seq_slots = None
             if ctx:
                 table = torch.tensor(block_tables[req.request_id], device=dev)
-                seq_slots = (table[:, None] * bs + torch.arange(bs, device=dev)).flatten()[
-                    : ctx + n
-                ]
-            prefills.append(PrefillSeq(row, n, ctx, seq_slots))
+                arange = torch.arange(bs, device=dev)
+                seq_slots = (table[:, None] * bs + arange).flatten()[: ctx + n]
+            meta.prefills.append(PrefillSeq(row, n, ctx, seq_slots))
             row += n
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode_tokens=len(decodes),
-            decode_block_tables=tables,
-            decode_mask=masks,
-            prefills=prefills,
-            workspace=self.workspace if use_ws else None,
-            decode_positions=positions,
-        )
+        return meta
+
+
+def _length_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """[len(lengths), width] bool: True for the first `lengths[i]` positions of row i."""
+    return torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]

@@ -20,11 +20,14 @@ def make_prompts(n: int, seed: int, lo: int = 3, hi: int = 60) -> list[list[int]
 
 
 def make_engine(
-    path: Path, *, num_blocks: int = 256, budget: int = 512, workspace: bool = True, **kw
+    path: Path, *, num_blocks: int = 256, budget: int = 512, workspace: int = 1024, **kw
 ) -> LLMEngine:
     sched = SchedulerConfig(max_num_batched_tokens=budget, **kw)
     cfg = EngineConfig(
-        num_kv_blocks=num_blocks, block_size=4, scheduler=sched, decode_workspace=workspace
+        num_kv_blocks=num_blocks,
+        block_size=4,
+        scheduler=sched,
+        decode_workspace_tokens=workspace,
     )
     return LLMEngine.from_pretrained(path, cfg)
 
@@ -44,7 +47,9 @@ def test_greedy_batch_of_mixed_lengths_matches_transformers(arch, checkpoints, r
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("workspace", [True, False], ids=["workspace", "block-gather"])
+@pytest.mark.parametrize(
+    "workspace", [1024, 48, 0], ids=["workspace", "workspace+gather", "block-gather"]
+)
 def test_greedy_with_forced_chunked_prefill_matches_transformers(
     arch, workspace, checkpoints, references
 ):
@@ -71,7 +76,7 @@ def test_greedy_with_prefix_cache_hits_matches_transformers(llama_dir, reference
     assert again.token_ids == first[0].token_ids
 
 
-@pytest.mark.parametrize("workspace", [True, False], ids=["workspace", "block-gather"])
+@pytest.mark.parametrize("workspace", [1024, 0], ids=["workspace", "block-gather"])
 def test_greedy_with_forced_preemption_matches_transformers(workspace, llama_dir, references):
     prompts = make_prompts(6, seed=5, lo=20, hi=40)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

@@ -1,0 +1,70 @@
+"""A worker process: load the engine in the background, serve HTTP with uvicorn."""
+
+import logging
+import threading
+from pathlib import Path
+
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from workers.async_engine import AsyncEngine
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.metrics import EngineCollector, WorkerMetrics
+from workers.server import create_worker_app
+from workers.service import WorkerConfig, WorkerService
+
+log = logging.getLogger(__name__)
+
+
+def build_worker(model_dir: Path, engine_config: EngineConfig, config: WorkerConfig):
+    """The app and its service; the model loads in a thread once the app starts."""
+    if not config.served_model_names:
+        config.served_model_names = [model_dir.name]
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, config.served_model_names[0])
+    service = WorkerService(config, metrics)
+    registry.register(
+        EngineCollector(lambda: service.engine.engine if service.engine else None, metrics.model)
+    )
+
+    def load() -> None:
+        try:
+            engine = LLMEngine.from_pretrained(model_dir, engine_config)
+        except Exception as exc:  # reported on /load and in the log; the process stays up
+            log.exception("failed to load %s", model_dir)
+            service.load_error = str(exc)
+            return
+        aengine = AsyncEngine(engine)
+        aengine.start()
+        service.set_engine(aengine)
+        log.info(
+            "worker ready: %s serves %s (max_model_len %d, KV %d tokens)",
+            model_dir,
+            config.served_model_names,
+            engine.max_model_len,
+            engine.runner.kv_capacity_tokens,
+        )
+
+    def start_loading() -> None:
+        threading.Thread(target=load, name="model-loader", daemon=True).start()
+
+    app = create_worker_app(service, on_startup=[start_loading])
+    return app, service
+
+
+def serve_worker(
+    model_dir: Path, engine_config: EngineConfig, config: WorkerConfig, host: str, port: int
+) -> None:
+    app, service = build_worker(model_dir, engine_config, config)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="on")
+    )
+
+    def exit_now() -> None:
+        server.should_exit = True
+
+    service.on_drained = exit_now
+    server.run()
+    if service.engine is not None:
+        service.engine.shutdown()
