@@ -21,9 +21,8 @@ class PrefillSeq:
     start: int  # first row of its tokens in the flat batch
     num_tokens: int  # tokens in this chunk (query length)
     num_context: int  # tokens already in the cache before this chunk
-    slots: (
-        torch.Tensor | None
-    )  # cache slots of all num_context + num_tokens keys; None if no context
+    # Blocks holding its num_context + num_tokens keys; None when there is no context.
+    block_ids: torch.Tensor | None
 
 
 @dataclass
@@ -91,7 +90,7 @@ def paged_attention(
     for seq in meta.prefills:
         rows = slice(seq.start, seq.start + seq.num_tokens)
         out[rows] = _prefill_attention(
-            q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale, group
+            q[rows], k[rows], v[rows], k_cache, v_cache, seq, block_size, scale, group
         )
     return out
 
@@ -143,27 +142,39 @@ def _prefill_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     seq: PrefillSeq,
+    block_size: int,
     scale: float,
     group: int,
 ) -> torch.Tensor:
     n, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    # [kv_heads, group * n, dim]: the query heads that share a KV head, stacked in time.
+    # [1, kv_heads, group * n, dim]: the query heads that share a KV head, stacked in
+    # time, so K/V are never repeated. (4-D inputs keep SDPA on its fused CPU kernel.)
     query = (
         q.view(n, num_kv_heads, group, head_dim)
         .permute(1, 2, 0, 3)
-        .reshape(num_kv_heads, group * n, head_dim)
+        .reshape(1, num_kv_heads, group * n, head_dim)
     )
     if seq.num_context == 0:
         keys, values = k.transpose(0, 1), v.transpose(0, 1)
     else:
-        assert seq.slots is not None
-        keys, values = k_cache[:, seq.slots], v_cache[:, seq.slots]
-    total = seq.num_context + n
+        assert seq.block_ids is not None
+        # Whole blocks at a time (far faster than per-slot indexing); the tail of the
+        # last block lies beyond every query's position and is masked out below.
+        shape = (num_kv_heads, -1, block_size * head_dim)
+        keys = torch.index_select(k_cache.view(shape), 1, seq.block_ids).view(
+            num_kv_heads, -1, head_dim
+        )
+        values = torch.index_select(v_cache.view(shape), 1, seq.block_ids).view(
+            num_kv_heads, -1, head_dim
+        )
+    total = keys.shape[1]
     # Query i (at position num_context + i) sees keys 0 .. num_context + i.
     q_pos = torch.arange(n, device=q.device).repeat(group) + seq.num_context
     mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
-    attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+    attn = F.scaled_dot_product_attention(
+        query, keys[None], values[None], attn_mask=mask[None, None], scale=scale
+    )
     return (
         attn.view(num_kv_heads, group, n, head_dim)
         .permute(2, 0, 1, 3)

@@ -249,12 +249,11 @@ class ModelRunner:
         row = num_decodes
         for req, n in batch[num_decodes:]:
             ctx = req.num_computed_tokens
-            seq_slots = None
+            block_ids = None
             if ctx:
-                table = torch.tensor(block_tables[req.request_id], device=dev)
-                arange = torch.arange(bs, device=dev)
-                seq_slots = (table[:, None] * bs + arange).flatten()[: ctx + n]
-            meta.prefills.append(PrefillSeq(row, n, ctx, seq_slots))
+                table = block_tables[req.request_id][: -(-(ctx + n) // bs)]
+                block_ids = torch.tensor(table, dtype=torch.long, device=dev)
+            meta.prefills.append(PrefillSeq(row, n, ctx, block_ids))
             row += n
         return meta
 
