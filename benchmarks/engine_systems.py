@@ -298,7 +298,25 @@ def run_chunked(spec: dict) -> dict:
     return out
 
 
+def run_ttft_probe(spec: dict) -> dict:
+    """Unloaded time to first token: one request at a time, in-process."""
+    engine = _engine(spec["ckpt"], num_blocks=512, budget=2048, max_seqs=8)
+    engine.generate([spec["prompts"][0]], _params(2))  # warm-up
+    ttft = []
+    for i, prompt in enumerate(spec["prompts"]):
+        t0 = time.perf_counter()
+        engine.add_request(f"t{i}", prompt_token_ids=prompt, params=_params(spec["max_tokens"]))
+        first = None
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            if first is None and any(o.new_token_ids for o in outs):
+                first = time.perf_counter() - t0
+        ttft.append(first)
+    return {"ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3}
+
+
 SYSTEMS = {
+    "ttft_probe": run_ttft_probe,
     "switchyard": run_switchyard,
     "hf_generate": run_hf_generate,
     "hf_generate_batch": run_hf_generate_batch,

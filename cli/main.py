@@ -88,6 +88,16 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_worker(args: argparse.Namespace) -> int:
+    from benchmarks.engine_bench import BenchOptions
+    from benchmarks.worker_bench import run_worker_bench
+
+    run_worker_bench(
+        BenchOptions(out_dir=Path(args.out), num_requests=args.num_requests, quick=args.quick)
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="switchyard", description="Multi-tenant LLM serving.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -140,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma list of throughput,prefix,chunked",
     )
     be.set_defaults(func=_cmd_bench_engine)
+    bw = bench.add_parser("worker", help="worker over HTTP (streaming) vs the in-process engine")
+    bw.add_argument("--out", default="bench-results", help="where JSON and markdown go")
+    bw.add_argument("--num-requests", type=int, default=64)
+    bw.add_argument("--quick", action="store_true", help="a small smoke run, not the real figures")
+    bw.set_defaults(func=_cmd_bench_worker)
     return parser
 
 

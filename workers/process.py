@@ -1,6 +1,7 @@
 """A worker process: load the engine in the background, serve HTTP with uvicorn."""
 
 import logging
+import sys
 import threading
 from pathlib import Path
 
@@ -56,6 +57,9 @@ def build_worker(model_dir: Path, engine_config: EngineConfig, config: WorkerCon
 def serve_worker(
     model_dir: Path, engine_config: EngineConfig, config: WorkerConfig, host: str, port: int
 ) -> None:
+    # The engine thread runs Python between torch kernels; with the default 5 ms GIL
+    # switch interval the event loop could wait that long to send a ready token.
+    sys.setswitchinterval(0.0005)
     app, service = build_worker(model_dir, engine_config, config)
     server = uvicorn.Server(
         uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="on")

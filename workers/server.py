@@ -340,7 +340,7 @@ async def _sse_stream(
                 t_last = now
                 gen.inc(len(out.new_token_ids))
                 service.record_tokens(len(out.new_token_ids))
-            if out.new_text or out.finished or out.logprobs or first:
+            if out.new_token_ids or out.new_text or out.finished or first:
                 yield _sse(builder.chunk(out.new_text, out, first))
                 first = False
             if out.finished:
