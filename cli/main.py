@@ -74,6 +74,70 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    import os
+
+    from cli.config_files import fill, read_yaml
+    from gateway.config import GatewayConfig
+    from gateway.process import serve_gateway
+
+    raw = read_yaml(args.config)
+    config = fill(GatewayConfig, raw.get("gateway", raw), str(args.config))
+    config.admin_key = config.admin_key or os.environ.get("SWITCHYARD_ADMIN_KEY")
+    if not config.admin_key:
+        print(
+            "warning: no admin key (gateway.admin_key or SWITCHYARD_ADMIN_KEY): /admin is closed",
+            file=sys.stderr,
+        )
+    serve_gateway(config, args.host, args.port)
+    return 0
+
+
+def _cmd_admin(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    import httpx
+
+    key = args.admin_key or os.environ.get("SWITCHYARD_ADMIN_KEY")
+    if not key:
+        print("error: give --admin-key or set SWITCHYARD_ADMIN_KEY", file=sys.stderr)
+        return 2
+    headers = {"authorization": f"Bearer {key}"}
+    base = args.url.rstrip("/") + "/admin"
+    if args.action == "create-tenant":
+        limits = {
+            k: getattr(args, k)
+            for k in (
+                "tokens_per_minute",
+                "tokens_per_day",
+                "requests_per_minute",
+                "max_concurrent",
+                "max_context",
+            )
+            if getattr(args, k) is not None
+        }
+        body = {
+            "tenant_id": args.tenant,
+            "name": args.name or args.tenant,
+            "limits": limits,
+            "allowed_models": args.model or [],
+        }
+        r = httpx.post(f"{base}/tenants", json=body, headers=headers)
+    elif args.action == "create-key":
+        r = httpx.post(
+            f"{base}/tenants/{args.tenant}/keys", json={"name": args.name}, headers=headers
+        )
+    elif args.action == "list-tenants":
+        r = httpx.get(f"{base}/tenants", headers=headers)
+    else:
+        r = httpx.delete(f"{base}/keys/{args.key_id}", headers=headers)
+    print(json.dumps(r.json(), indent=2))
+    if args.action == "create-key" and r.status_code == 201:
+        print("\nThe key above is shown once; store it now.", file=sys.stderr)
+    return 0 if r.status_code < 400 else 1
+
+
 def _cmd_bench_engine(args: argparse.Namespace) -> int:
     from benchmarks.engine_bench import BenchOptions, run_engine_bench
 
@@ -94,6 +158,15 @@ def _cmd_bench_worker(args: argparse.Namespace) -> int:
 
     run_worker_bench(
         BenchOptions(out_dir=Path(args.out), num_requests=args.num_requests, quick=args.quick)
+    )
+    return 0
+
+
+def _cmd_bench_gateway(args: argparse.Namespace) -> int:
+    from benchmarks.gateway_bench import GatewayBenchOptions, run_gateway_bench
+
+    run_gateway_bench(
+        GatewayBenchOptions(Path(args.out), quick=args.quick, overload_s=args.overload_s)
     )
     return 0
 
@@ -136,6 +209,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.set_defaults(func=_cmd_worker)
 
+    gw = sub.add_parser("gateway", help="the public OpenAI-compatible gateway")
+    gw.add_argument("--config", default="configs/gateway.yaml")
+    gw.add_argument("--host", default="127.0.0.1")
+    gw.add_argument("--port", type=int, default=8000)
+    gw.set_defaults(func=_cmd_gateway)
+
+    admin = sub.add_parser("admin", help="tenants and keys, through the gateway's admin API")
+    admin.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway")
+    admin.add_argument("--admin-key", default=None, help="default: $SWITCHYARD_ADMIN_KEY")
+    acts = admin.add_subparsers(dest="action", required=True)
+    ct = acts.add_parser("create-tenant")
+    ct.add_argument("tenant")
+    ct.add_argument("--name")
+    for limit in (
+        "tokens-per-minute",
+        "tokens-per-day",
+        "requests-per-minute",
+        "max-concurrent",
+        "max-context",
+    ):
+        ct.add_argument(f"--{limit}", type=int, default=None)
+    ct.add_argument("--model", action="append", help="allowed pool (repeatable; default all)")
+    ck = acts.add_parser("create-key")
+    ck.add_argument("tenant")
+    ck.add_argument("--name")
+    acts.add_parser("list-tenants")
+    rk = acts.add_parser("revoke-key")
+    rk.add_argument("key_id")
+    admin.set_defaults(func=_cmd_admin)
+
     bench = sub.add_parser("bench", help="measured comparisons").add_subparsers(
         dest="target", required=True
     )
@@ -155,6 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--num-requests", type=int, default=64)
     bw.add_argument("--quick", action="store_true", help="a small smoke run, not the real figures")
     bw.set_defaults(func=_cmd_bench_worker)
+    bg = bench.add_parser("gateway", help="gateway in front of a fake backend vs the backend alone")
+    bg.add_argument("--out", default="bench-results", help="where JSON and markdown go")
+    bg.add_argument("--quick", action="store_true", help="a small smoke run, not the real figures")
+    bg.add_argument("--overload-s", type=float, default=60.0, help="length of the overload run")
+    bg.set_defaults(func=_cmd_bench_gateway)
     return parser
 
 

@@ -113,6 +113,7 @@ class LoadReport(msgspec.Struct):
     kv_blocks_used: int
     kv_blocks_total: int
     kv_free_tokens: int
+    kv_total_tokens: int
     queued_prompt_tokens: int
     output_tokens_per_s: float  # over the last few seconds
     model: str

@@ -117,7 +117,7 @@ class WorkerService:
     def load(self) -> LoadReport:
         engine = self.engine
         if engine is None:
-            return LoadReport("loading", 0, 0, 0, 0, 0, 0, 0.0, self.model_name, 0)
+            return LoadReport("loading", 0, 0, 0, 0, 0, 0, 0, 0.0, self.model_name, 0)
         e = engine.engine
         kv = e.kv
         waiting, queued = engine.queue_snapshot()
@@ -128,6 +128,7 @@ class WorkerService:
             kv_blocks_used=kv.pool.num_used_blocks,
             kv_blocks_total=kv.num_total_blocks,
             kv_free_tokens=kv.num_free_blocks * kv.block_size,
+            kv_total_tokens=kv.num_total_blocks * kv.block_size,
             queued_prompt_tokens=queued,
             output_tokens_per_s=round(self.tokens_per_s(), 2),
             model=self.model_name,

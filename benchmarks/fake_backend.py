@@ -1,0 +1,245 @@
+"""A fast fake OpenAI-compatible backend (raw ASGI), for gateway tests and benchmarks.
+
+It stands in for a worker where the worker is not what is measured: it answers
+`/v1/completions` and `/v1/chat/completions` (streaming or not) with `max_tokens`
+one-character tokens, reports `/load` and `/health`, and can be told to misbehave through
+`POST /_control` with `{"mode": ..., "token_delay_s": ...}`; modes are "ok", "refuse",
+"die_mid_stream" and "slow_first".
+`GET /_stats` tells how many requests are active and what bodies it received.
+
+Run alone: `python -m benchmarks.fake_backend --port 8101`.
+"""
+
+import argparse
+import asyncio
+import json
+import time
+from collections import deque
+from typing import Any
+
+
+class FakeBackend:
+    def __init__(self, token_delay_s: float = 0.0, mode: str = "ok", name: str = "fake") -> None:
+        self.token_delay_s = token_delay_s
+        self.mode = mode
+        self.name = name
+        self.active = 0
+        self.total = 0
+        self.aborted = 0
+        self.bodies: deque[dict[str, Any]] = deque(maxlen=256)
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 (ASGI)
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        path, method = scope["path"], scope["method"]
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        if path == "/health":
+            return await _json(send, 200, {"status": "ok"})
+        if path == "/load":
+            return await _json(send, 200, self._load())
+        if path == "/_stats":
+            return await _json(
+                send,
+                200,
+                {
+                    "active": self.active,
+                    "total": self.total,
+                    "aborted": self.aborted,
+                    "bodies": list(self.bodies),
+                },
+            )
+        if path == "/_control" and method == "POST":
+            ctl = json.loads(body or b"{}")
+            self.mode = ctl.get("mode", self.mode)
+            self.token_delay_s = ctl.get("token_delay_s", self.token_delay_s)
+            return await _json(send, 200, {"mode": self.mode})
+        if path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
+            return await self._generate(
+                json.loads(body), path.endswith("chat/completions"), send, receive
+            )
+        return await _json(
+            send,
+            404,
+            {
+                "error": {
+                    "message": "not found",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": None,
+                }
+            },
+        )
+
+    def _load(self) -> dict[str, Any]:
+        return {
+            "state": "ready",
+            "num_running": self.active,
+            "num_waiting": 0,
+            "kv_blocks_used": 0,
+            "kv_blocks_total": 1000,
+            "kv_free_tokens": 16000,
+            "kv_total_tokens": 16000,
+            "queued_prompt_tokens": 0,
+            "output_tokens_per_s": 0.0,
+            "model": self.name,
+            "max_model_len": 4096,
+        }
+
+    async def _generate(self, req: dict[str, Any], chat: bool, send, receive) -> None:  # noqa: ANN001
+        self.bodies.append(req)
+        if self.mode == "refuse":
+            return await _json(
+                send,
+                503,
+                {
+                    "error": {
+                        "message": "busy",
+                        "type": "server_error",
+                        "param": None,
+                        "code": "server_overloaded",
+                    }
+                },
+                {"retry-after": "0.05"},
+            )
+        n = int(req.get("max_tokens") or 16)
+        prompt = req.get("prompt") or req.get("messages") or ""
+        prompt_tokens = len(prompt) if isinstance(prompt, list) else max(len(str(prompt)) // 4, 1)
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": prompt_tokens + n,
+        }
+        rid = f"fake-{self.total}"
+        self.total += 1
+        self.active += 1
+        try:
+            if not req.get("stream"):
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s * n)
+                choice = (
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "x" * n},
+                        "finish_reason": "length",
+                    }
+                    if chat
+                    else {"index": 0, "text": "x" * n, "finish_reason": "length"}
+                )
+                return await _json(
+                    send,
+                    200,
+                    {
+                        "id": rid,
+                        "object": "chat.completion" if chat else "text_completion",
+                        "created": 0,
+                        "model": self.name,
+                        "choices": [choice],
+                        "usage": usage,
+                    },
+                )
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")],
+                }
+            )
+            disconnected = asyncio.ensure_future(_wait_disconnect(receive))
+            try:
+                for i in range(n):
+                    if self.token_delay_s or (self.mode == "slow_first" and i == 0):
+                        await asyncio.sleep(self.token_delay_s or 0.5)
+                    if disconnected.done():
+                        self.aborted += 1
+                        return
+                    if self.mode == "die_mid_stream" and i == n // 2:
+                        raise ConnectionAbortedError("fake backend died")
+                    last = i == n - 1
+                    delta = (
+                        {
+                            "index": 0,
+                            "delta": {"content": "x"},
+                            "finish_reason": "length" if last else None,
+                        }
+                        if chat
+                        else {"index": 0, "text": "x", "finish_reason": "length" if last else None}
+                    )
+                    chunk = {
+                        "id": rid,
+                        "object": "chat.completion.chunk" if chat else "text_completion",
+                        "created": 0,
+                        "model": self.name,
+                        "choices": [delta],
+                        "sent_at": time.time(),  # lets a benchmark measure relay delay
+                    }
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
+                            "more_body": True,
+                        }
+                    )
+                opts = req.get("stream_options") or {}
+                if opts.get("include_usage"):
+                    tail = {
+                        "id": rid,
+                        "object": "text_completion",
+                        "created": 0,
+                        "model": self.name,
+                        "choices": [],
+                        "usage": usage,
+                    }
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "body": b"data: " + json.dumps(tail).encode() + b"\n\n",
+                            "more_body": True,
+                        }
+                    )
+                await send(
+                    {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
+                )
+            finally:
+                disconnected.cancel()
+        finally:
+            self.active -= 1
+
+
+async def _wait_disconnect(receive) -> None:  # noqa: ANN001
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _json(send, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:  # noqa: ANN001
+    raw = json.dumps(obj).encode()
+    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    hdrs += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": raw})
+
+
+def main() -> None:
+    import uvicorn
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--port", type=int, default=8101)
+    ap.add_argument("--token-delay-s", type=float, default=0.0)
+    args = ap.parse_args()
+    uvicorn.run(
+        FakeBackend(args.token_delay_s), host="127.0.0.1", port=args.port, log_level="warning"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,345 @@
+"""The gateway's per-pool admission queue: weighted fair queuing across tenants.
+
+`FairQueue` is the pure data structure (deficit round robin by tokens, FIFO within a
+tenant, bounded by requests and tokens, clock injected). `AdmissionController` is the
+asyncio layer over it: a request waits both for its fair turn and for the pool to have
+room, and leaves the queue when its deadline passes or its client goes away.
+"""
+
+import asyncio
+import math
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class QueueFull(Exception):
+    """The pool's queue is over a bound; the client should retry after `retry_after_s`.
+
+    `reason` is "requests" or "tokens" (which bound); `retry_after_s` is jittered so
+    refused clients do not come back as one wave.
+    """
+
+    def __init__(self, reason: str, retry_after_s: float) -> None:
+        super().__init__(f"admission queue full ({reason}); retry after {retry_after_s:.2f} s")
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceeded(Exception):
+    """The request's deadline passed while it waited; it was never dispatched."""
+
+    def __init__(self, request_id: str, deadline: float, waited_s: float) -> None:
+        super().__init__(f"request {request_id} waited {waited_s:.3f} s and missed its deadline")
+        self.request_id = request_id
+        self.deadline = deadline
+        self.waited_s = waited_s
+
+
+@dataclass
+class QueueConfig:
+    max_requests: int = 256  # waiting requests per pool
+    max_tokens: int = 262144  # waiting cost tokens per pool (prompt + max_tokens)
+    quantum_tokens: int = 4096  # deficit-round-robin credit per tenant visit, times weight
+    retry_after_s: float = 1.0  # Retry-After base of a refusal
+    retry_after_jitter_s: float = 1.0  # plus uniform(0, this)
+
+
+@dataclass(slots=True)
+class Ticket:
+    """One waiting request. Times are in the queue clock's seconds."""
+
+    request_id: str
+    tenant_id: str
+    cost_tokens: int  # prompt tokens + max_tokens
+    enqueued_at: float
+    deadline: float  # math.inf for none
+    weight: float = 1.0  # the tenant's share relative to others; the latest push wins
+
+
+@dataclass(slots=True)
+class _Tenant:
+    tickets: deque[Ticket]
+    weight: float
+    deficit: float = 0.0  # tokens this tenant may still send before its turn passes
+
+
+class FairQueue:
+    """Weighted fair queuing across tenants by tokens (deficit round robin), FIFO within
+    a tenant, bounded by requests and tokens. Sync, no asyncio; the clock is injected.
+
+    Each visit of a tenant adds `quantum_tokens * weight` to its deficit; it sends
+    tickets while its head fits the deficit, then the turn passes. A flooding tenant
+    therefore gets its share and no more, and any ticket waits at most a bounded number
+    of rounds (the queue is bounded). A tenant whose queue empties loses its deficit.
+    """
+
+    def __init__(
+        self,
+        config: QueueConfig,
+        clock: Callable[[], float],
+        rng: random.Random | None = None,
+    ) -> None:
+        if config.quantum_tokens < 1:
+            raise ValueError(f"quantum_tokens must be >= 1, got {config.quantum_tokens}")
+        self.config = config
+        self._clock = clock
+        self._rng = rng if rng is not None else random.Random()
+        self._tenants: dict[str, _Tenant] = {}  # tenants with waiting tickets only
+        self._ring: deque[str] = deque()  # active tenants; _ring[0] is being visited
+        self._granted = False  # _ring[0] already got its quantum on this visit
+        self._by_id: dict[str, Ticket] = {}
+        self._num_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    @property
+    def waiting_tokens(self) -> int:
+        return self._num_tokens
+
+    def estimated_wait_s(self, drain_tokens_per_s: float) -> float:
+        """Seconds to drain what waits at `drain_tokens_per_s`; 0 when nothing waits,
+        inf when something waits and the rate is 0."""
+        if self._num_tokens == 0:
+            return 0.0
+        if drain_tokens_per_s <= 0:
+            return math.inf
+        return self._num_tokens / drain_tokens_per_s
+
+    def push(self, ticket: Ticket) -> None:
+        """Queue `ticket` at the tail of its tenant's line.
+
+        Raises QueueFull when it would pass either bound. A ticket larger than
+        `max_tokens` alone is admitted into an empty queue, so no request is refused
+        forever. Raises ValueError on a duplicate request id or a bad cost or weight.
+        """
+        if ticket.request_id in self._by_id:
+            raise ValueError(f"request {ticket.request_id} is already queued")
+        if ticket.cost_tokens < 0 or not ticket.weight > 0:
+            raise ValueError(
+                f"need cost_tokens >= 0 and weight > 0, got {ticket.cost_tokens}, {ticket.weight}"
+            )
+        if len(self._by_id) >= self.config.max_requests:
+            raise self._full("requests")
+        if self._by_id and self._num_tokens + ticket.cost_tokens > self.config.max_tokens:
+            raise self._full("tokens")
+        tenant = self._tenants.get(ticket.tenant_id)
+        if tenant is None:
+            tenant = self._tenants[ticket.tenant_id] = _Tenant(deque(), ticket.weight)
+            self._ring.append(ticket.tenant_id)
+        tenant.weight = ticket.weight
+        tenant.tickets.append(ticket)
+        self._by_id[ticket.request_id] = ticket
+        self._num_tokens += ticket.cost_tokens
+
+    def pop(self) -> tuple[Ticket | None, list[Ticket]]:
+        """The next ticket in fair order (None when nothing live waits), and the tickets
+        dropped on the way because their deadline passed (never to be dispatched)."""
+        now = self._clock()
+        dropped: list[Ticket] = []
+        num_passed = 0  # turns passed in a row without sending anything
+        while self._ring:
+            tenant_id = self._ring[0]
+            tenant = self._tenants[tenant_id]
+            tickets = tenant.tickets
+            while tickets and tickets[0].deadline <= now:
+                dropped.append(self._forget(tickets.popleft()))
+            if not tickets:
+                self._retire(tenant_id)
+                continue
+            if not self._granted:
+                tenant.deficit += self.config.quantum_tokens * tenant.weight
+                self._granted = True
+            head = tickets[0]
+            if head.cost_tokens <= tenant.deficit:
+                tickets.popleft()
+                tenant.deficit -= head.cost_tokens
+                if not tickets:
+                    self._retire(tenant_id)
+                return self._forget(head), dropped
+            self._ring.rotate(-1)
+            self._granted = False
+            num_passed += 1
+            if num_passed >= len(self._ring):
+                self._fast_forward(now)
+                num_passed = 0
+        return None, dropped
+
+    def remove(self, request_id: str) -> bool:
+        """Take a waiting ticket out (its client gave up); False if it is not queued."""
+        ticket = self._by_id.get(request_id)
+        if ticket is None:
+            return False
+        tenant = self._tenants[ticket.tenant_id]
+        tenant.tickets.remove(ticket)
+        self._forget(ticket)
+        if not tenant.tickets:
+            self._retire(ticket.tenant_id)
+        return True
+
+    def _full(self, reason: str) -> QueueFull:
+        jitter_s = self._rng.uniform(0.0, self.config.retry_after_jitter_s)
+        return QueueFull(reason, self.config.retry_after_s + jitter_s)
+
+    def _forget(self, ticket: Ticket) -> Ticket:
+        del self._by_id[ticket.request_id]
+        self._num_tokens -= ticket.cost_tokens
+        return ticket
+
+    def _retire(self, tenant_id: str) -> None:
+        del self._tenants[tenant_id]
+        if self._ring[0] == tenant_id:
+            self._ring.popleft()
+            self._granted = False
+        else:
+            self._ring.remove(tenant_id)
+
+    def _fast_forward(self, now: float) -> None:
+        # A whole round sent nothing: every head is larger than its tenant's deficit.
+        # Hand out at once the rounds in which nobody could send, instead of looping
+        # through them (a large ticket against a small quantum would take many rounds).
+        need = math.inf
+        for tenant in self._tenants.values():
+            head = tenant.tickets[0]
+            if head.deadline <= now:
+                return  # it will be dropped on its visit, changing that tenant's head
+            credit = self.config.quantum_tokens * tenant.weight
+            need = min(need, math.ceil((head.cost_tokens - tenant.deficit) / credit))
+        num_rounds = int(need) - 1
+        if num_rounds > 0:
+            for tenant in self._tenants.values():
+                tenant.deficit += num_rounds * self.config.quantum_tokens * tenant.weight
+
+
+@dataclass(slots=True)
+class _Waiter:
+    ticket: Ticket
+    future: asyncio.Future[None]
+    timer: asyncio.TimerHandle | None
+
+
+class AdmissionController:
+    """asyncio layer over FairQueue for one pool: requests wait for their turn AND for
+    the pool to have room.
+
+    Dispatch is driven by `acquire`, `release`, `kick` and deadline timers; there is no
+    background task. One ticket is dispatched at a time: the next goes only after the
+    previous one's task has resumed, so `has_room()` sees the capacity it took. The
+    caller must therefore take its capacity (count the request in flight on its worker)
+    before its first await after `acquire` returns, and give it back before `release`.
+    """
+
+    def __init__(
+        self,
+        queue: FairQueue,
+        has_room: Callable[[], bool],
+        clock: Callable[[], float],
+    ) -> None:
+        self._queue = queue
+        self._has_room = has_room
+        self._clock = clock
+        self._waiters: dict[str, _Waiter] = {}
+        self._num_unclaimed = 0  # dispatched tickets whose task has not resumed yet
+        self._num_dispatched = 0  # dispatched and not yet released
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_dispatched(self) -> int:
+        """Requests dispatched by `acquire` and not yet `release`d."""
+        return self._num_dispatched
+
+    async def acquire(self, ticket: Ticket) -> None:
+        """Return when `ticket` is dispatched; the caller then sends it to a worker.
+
+        Raises QueueFull at once when the queue is full, and DeadlineExceeded when the
+        deadline passes first (the ticket leaves the queue). If the awaiting task is
+        cancelled (client disconnect), the ticket leaves the queue.
+        """
+        now = self._clock()
+        if ticket.deadline <= now:
+            raise DeadlineExceeded(ticket.request_id, ticket.deadline, 0.0)
+        if len(self._queue) == 0 and self._num_unclaimed == 0 and self._has_room():
+            self._num_dispatched += 1
+            return
+        self._queue.push(ticket)
+        loop = asyncio.get_running_loop()
+        timer = None
+        if math.isfinite(ticket.deadline):
+            timer = loop.call_later(ticket.deadline - now, self._expire, ticket.request_id)
+        future: asyncio.Future[None] = loop.create_future()
+        self._waiters[ticket.request_id] = _Waiter(ticket, future, timer)
+        self._dispatch()
+        try:
+            await future
+        except asyncio.CancelledError:
+            self._abandon(ticket, future)
+            raise
+        self._num_unclaimed -= 1
+        self._num_dispatched += 1
+        # Runs after this task's current step, i.e. after the caller took its capacity.
+        loop.call_soon(self._dispatch)
+
+    def release(self) -> None:
+        """A dispatched request finished (its capacity is back): dispatch what fits."""
+        self._num_dispatched = max(0, self._num_dispatched - 1)
+        self._dispatch()
+
+    def kick(self) -> None:
+        """Capacity may have changed (worker loads refreshed): dispatch what fits."""
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self._num_unclaimed == 0 and len(self._queue) > 0 and self._has_room():
+            ticket, dropped = self._queue.pop()
+            for expired in dropped:
+                self._fail(expired)
+            if ticket is None:
+                return
+            waiter = self._waiters.pop(ticket.request_id, None)
+            if waiter is None or waiter.future.done():
+                continue  # cancelled, its task has not run its handler yet
+            if waiter.timer is not None:
+                waiter.timer.cancel()
+            waiter.future.set_result(None)
+            self._num_unclaimed += 1
+
+    def _expire(self, request_id: str) -> None:
+        waiter = self._waiters.get(request_id)
+        if waiter is None:
+            return
+        remaining_s = waiter.ticket.deadline - self._clock()
+        if remaining_s > 0:  # the loop's timer ran a little ahead of our clock
+            loop = asyncio.get_running_loop()
+            waiter.timer = loop.call_later(remaining_s, self._expire, request_id)
+            return
+        self._queue.remove(request_id)
+        self._fail(waiter.ticket)
+
+    def _fail(self, ticket: Ticket) -> None:
+        waiter = self._waiters.pop(ticket.request_id, None)
+        if waiter is None:
+            return
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+        if not waiter.future.done():
+            waited_s = self._clock() - ticket.enqueued_at
+            waiter.future.set_exception(
+                DeadlineExceeded(ticket.request_id, ticket.deadline, waited_s)
+            )
+
+    def _abandon(self, ticket: Ticket, future: asyncio.Future[None]) -> None:
+        waiter = self._waiters.pop(ticket.request_id, None)
+        if waiter is not None:  # still waiting: leave the queue
+            if waiter.timer is not None:
+                waiter.timer.cancel()
+            self._queue.remove(ticket.request_id)
+        elif future.done() and not future.cancelled():
+            if future.exception() is None:
+                # Dispatched, but the caller will never use it: pass the turn on.
+                self._num_unclaimed -= 1
+                self._dispatch()

@@ -1,0 +1,93 @@
+"""The gateway's Litestar app: the composition of routes over a built `Gateway`."""
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from litestar import Litestar, Request, Response, get, post
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.admin import admin_router
+from gateway.context import Gateway
+from gateway.errors import exception_handlers
+from gateway.proxy import authenticate, handle
+
+log = logging.getLogger(__name__)
+
+
+def create_gateway_app(gw: Gateway) -> Litestar:
+    @post("/v1/chat/completions", status_code=200)
+    async def chat_completions(request: Request) -> Any:
+        return await handle(gw, request, chat=True)
+
+    @post("/v1/completions", status_code=200)
+    async def completions(request: Request) -> Any:
+        return await handle(gw, request, chat=False)
+
+    @get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        tenant = await authenticate(gw, request)
+        names = [p for p in gw.pools if not tenant.allowed_models or p in tenant.allowed_models]
+        if gw.config.default_pool:
+            names.append("auto")
+        data = [{"id": n, "object": "model", "created": 0, "owned_by": "switchyard"} for n in names]
+        return {"object": "list", "data": data}
+
+    @get("/v1/usage")
+    async def usage(request: Request) -> dict[str, Any]:
+        tenant = await authenticate(gw, request)
+        return {"tenant_id": tenant.tenant_id, **(await gw.limiter.usage(tenant.tenant_id))}
+
+    @get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @get("/ready")
+    async def ready() -> Response:
+        ok = all(any(v.state == "ready" for v in p.views.values()) for p in gw.pools.values())
+        try:
+            await gw.redis.ping()
+        except Exception:
+            ok = False
+        return Response(content={"ready": ok}, status_code=200 if ok else 503)
+
+    @get("/metrics")
+    async def metrics() -> Response:
+        return Response(content=generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        poller = asyncio.ensure_future(_poll_loads(gw))
+        try:
+            yield
+        finally:
+            poller.cancel()
+            await gw.drain_background()
+
+    return Litestar(
+        route_handlers=[
+            chat_completions,
+            completions,
+            models,
+            usage,
+            health,
+            ready,
+            metrics,
+            admin_router(gw),
+        ],
+        exception_handlers=exception_handlers(gw.rng),
+        lifespan=[lifespan],
+        request_max_body_size=gw.config.max_body_bytes * 2,
+    )
+
+
+async def _poll_loads(gw: Gateway) -> None:
+    """Refresh every pool's view of its workers, forever."""
+    while True:
+        try:
+            await asyncio.gather(*(pool.refresh() for pool in gw.pools.values()))
+        except Exception:
+            log.exception("load polling failed")
+        await asyncio.sleep(gw.config.load_poll_interval_s)

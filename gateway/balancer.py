@@ -1,0 +1,91 @@
+"""Pure worker choice within a pool: least loaded, with prefix affinity.
+
+Requests sharing a prompt prefix (a system prompt) go to the same worker where that
+worker is not much busier than the least loaded one, so its prefix cache hits. The
+preferred worker comes from rendezvous (highest-random-weight) hashing: when a member
+joins or leaves, only the keys that member wins or held move.
+"""
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from hashlib import blake2b
+
+# load_score weights, in units of "one request this gateway has in flight there".
+RUNNING_WEIGHT = 0.5  # a running sequence shares the batch; it slows ours a little
+WAITING_WEIGHT = 1.0  # a waiting one is ahead of ours in the worker's line
+KV_PRESSURE_WEIGHT = 4.0  # a full KV cache (preemptions ahead) counts as 4 more requests
+
+
+@dataclass
+class WorkerView:
+    """What the gateway knows of one pool member (from /load and its own accounting)."""
+
+    url: str
+    state: str  # "ready" | "loading" | "draining" | "stalled" | "unreachable"
+    num_running: int
+    num_waiting: int
+    kv_free_tokens: int
+    kv_total_tokens: int  # 0 when unknown (e.g. an external OpenAI-compatible server)
+    inflight: int  # requests this gateway has sent there and not finished
+    max_inflight: int  # this gateway's cap per worker
+
+
+def prefix_key(text_or_tokens_prefix: str | list[int], num_chars: int = 512) -> bytes:
+    """A stable 16-byte hash of the first `num_chars` characters (or token ids) of a
+    prompt, for affinity. Text and token ids hash into different domains."""
+    head = text_or_tokens_prefix[:num_chars]
+    if isinstance(head, str):
+        return blake2b(head.encode(), digest_size=16, person=b"sy-prefix-text").digest()
+    data = ",".join(map(str, head)).encode()
+    return blake2b(data, digest_size=16, person=b"sy-prefix-tokens").digest()
+
+
+def has_room(w: WorkerView) -> bool:
+    """Ready, and under this gateway's in-flight cap."""
+    return w.state == "ready" and w.inflight < w.max_inflight
+
+
+def load_score(w: WorkerView) -> float:
+    """Lower is better, in units of in-flight requests. `inflight` is fresh (counted
+    here); running/waiting/KV come from the last /load and include other gateways."""
+    kv_used = 0.0
+    if w.kv_total_tokens > 0:
+        kv_used = 1.0 - max(0, min(w.kv_free_tokens, w.kv_total_tokens)) / w.kv_total_tokens
+    return (
+        w.inflight
+        + RUNNING_WEIGHT * w.num_running
+        + WAITING_WEIGHT * w.num_waiting
+        + KV_PRESSURE_WEIGHT * kv_used
+    )
+
+
+def rendezvous_weight(affinity: bytes, url: str) -> int:
+    """The highest-random-weight hash of (key, worker); the highest weight wins."""
+    digest = blake2b(affinity + b"\0" + url.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def choose_worker(
+    workers: list[WorkerView],
+    affinity: bytes | None,
+    exclude: Collection[str] = frozenset(),
+    busy_slack: float = 2.0,
+) -> WorkerView | None:
+    """The worker for the next request; None when no worker has room.
+
+    Eligible: ready, with room, url not in `exclude`. Without `affinity`, the least
+    loaded (first in list order on ties). With it, the rendezvous winner among the
+    eligible, unless its load_score exceeds the least loaded one's by more than
+    `busy_slack`; then the least loaded.
+    """
+    eligible = [w for w in workers if w.url not in exclude and has_room(w)]
+    if not eligible:
+        return None
+    scores = {w.url: load_score(w) for w in eligible}
+    least = min(eligible, key=lambda w: scores[w.url])
+    if affinity is None:
+        return least
+    preferred = max(eligible, key=lambda w: rendezvous_weight(affinity, w.url))
+    if scores[preferred.url] - scores[least.url] > busy_slack:
+        return least
+    return preferred

@@ -1,0 +1,35 @@
+"""Gateway settings: one dataclass, defaults here, filled from YAML by `switchyard gateway`."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GatewayConfig:
+    """Everything the gateway process needs; pools map a pool name to worker URLs."""
+
+    pools: dict[str, list[str]] = field(default_factory=dict)
+    # Local tokenizer directory (or tokenizer.json) per pool, to count prompt tokens the
+    # way the target model does. A pool without one is estimated at 1 token per 3 bytes.
+    tokenizers: dict[str, str] = field(default_factory=dict)
+    default_pool: str | None = None  # where `model: auto` goes until the cascade decides
+    redis_url: str | None = None  # None: an embedded Redis persisted under data_dir
+    data_dir: str = "data"
+    admin_key: str | None = None  # also from SWITCHYARD_ADMIN_KEY (read by the CLI)
+    default_max_tokens: int = 256  # injected when a request has no max_tokens
+    max_tokens_cap: int = 4096  # larger max_tokens are refused
+    request_timeout_s: float = 120.0  # deadline unless the `x-request-timeout` header says
+    max_body_bytes: int = 1024 * 1024
+    load_poll_interval_s: float = 0.2
+    max_inflight_per_worker: int = 32
+    queue_max_requests: int = 256
+    queue_max_tokens: int = 262144
+    queue_quantum_tokens: int = 4096
+    retry_after_s: float = 1.0
+    retry_after_jitter_s: float = 1.0
+    dispatch_attempts: int = 3  # tries across replicas before the first token
+    worker_retry_after_cap_s: float = 2.0  # longest a worker's Retry-After is honoured
+    sse_heartbeat_s: float = 5.0
+    # Redis unreachable: per limit class "open" (serve unchecked) or "closed" (503).
+    fail_tokens: str = "open"
+    fail_requests: str = "open"
+    fail_concurrency: str = "open"

@@ -1,0 +1,53 @@
+"""The gateway's collaborators, built once by the process entry point and passed down."""
+
+import asyncio
+import hashlib
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry
+from quota.limiter import QuotaLimiter, Reservation
+from quota.store import TenantStore
+
+from gateway.config import GatewayConfig
+from gateway.pool import Pool
+from gateway.tokens import PromptCounter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Gateway:
+    config: GatewayConfig
+    store: TenantStore
+    limiter: QuotaLimiter
+    pools: dict[str, Pool]
+    counter: PromptCounter
+    client: httpx.AsyncClient
+    registry: CollectorRegistry
+    redis: Any  # redis.asyncio.Redis
+    rng: random.Random = field(default_factory=random.Random)
+    _background: set[asyncio.Task] = field(default_factory=set)
+
+    def cache_salt(self, tenant_id: str) -> str:
+        """Prefix-cache namespace per tenant: one tenant's cached prompts never serve another."""
+        return hashlib.blake2b(tenant_id.encode(), digest_size=8).hexdigest()
+
+    def reconcile_later(self, reservation: Reservation, actual_tokens: int) -> None:
+        """Reconcile outside the request's (possibly cancelled) task, exactly once."""
+        task = asyncio.ensure_future(self._reconcile(reservation, actual_tokens))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _reconcile(self, reservation: Reservation, actual_tokens: int) -> None:
+        try:
+            await self.limiter.reconcile(reservation, actual_tokens)
+        except Exception:
+            log.exception("reconcile failed for %s", reservation.request_id)
+
+    async def drain_background(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

@@ -1,0 +1,105 @@
+"""The one place where domain errors become HTTP responses (OpenAI error shape)."""
+
+import math
+import random
+from typing import Any
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+
+from gateway.admission import DeadlineExceeded, QueueFull
+from quota.errors import (
+    InvalidLimits,
+    QuotaExceeded,
+    QuotaUnavailable,
+    TenantExists,
+    TenantNotFound,
+)
+from workers.api import ApiError
+
+
+def retry_headers(seconds: float) -> dict[str, str]:
+    return {
+        "Retry-After": str(max(1, math.ceil(seconds))),
+        "retry-after-ms": str(int(seconds * 1000)),
+    }
+
+
+def jitter(seconds: float, rng: random.Random, spread_s: float = 1.0) -> float:
+    """Spread refusals so clients refused together do not return together."""
+    return seconds + rng.uniform(0.0, spread_s)
+
+
+def to_api_error(exc: Exception, rng: random.Random) -> ApiError:
+    """Map a domain error to an ApiError (status, OpenAI type/code, Retry-After)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, QuotaExceeded):
+        return ApiError(
+            429,
+            f"quota exceeded: {exc.kind} (limit {exc.limit}, remaining {exc.remaining})",
+            type="insufficient_quota" if exc.code == "insufficient_quota" else "rate_limit_error",
+            code=exc.code,
+            retry_after_s=jitter(exc.retry_after_s, rng),
+        )
+    if isinstance(exc, QuotaUnavailable):
+        return ApiError(
+            503,
+            "quota service unavailable",
+            type="server_error",
+            code="quota_unavailable",
+            retry_after_s=jitter(exc.retry_after_s, rng),
+        )
+    if isinstance(exc, QueueFull):
+        return ApiError(
+            503,
+            f"the queue is full ({exc.reason}); retry later",
+            type="server_error",
+            code="server_overloaded",
+            retry_after_s=exc.retry_after_s,
+        )
+    if isinstance(exc, DeadlineExceeded):
+        return ApiError(
+            503,
+            "the request's deadline passed while it waited in the queue",
+            type="server_error",
+            code="deadline_exceeded",
+            retry_after_s=jitter(1.0, rng),
+        )
+    if isinstance(exc, TenantNotFound):
+        return ApiError(
+            404, str(exc) or "unknown tenant", param="tenant_id", code="tenant_not_found"
+        )
+    if isinstance(exc, TenantExists):
+        return ApiError(409, str(exc) or "tenant exists", param="tenant_id", code="tenant_exists")
+    if isinstance(exc, InvalidLimits):
+        return ApiError(400, str(exc), param=getattr(exc, "param", None), code="invalid_limits")
+    if isinstance(exc, HTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return ApiError(exc.status_code, str(exc.detail), type=kind)
+    return ApiError(500, "internal error", type="server_error")
+
+
+def error_response(err: ApiError, extra_headers: dict[str, str] | None = None) -> Response:
+    headers = dict(extra_headers or {})
+    if err.retry_after_s is not None:
+        headers.update(retry_headers(err.retry_after_s))
+    return Response(
+        content=err.body(), status_code=err.status, headers=headers, media_type="application/json"
+    )
+
+
+def exception_handlers(rng: random.Random) -> dict[Any, Any]:
+    import logging
+
+    log = logging.getLogger("gateway")
+
+    def handle(request: Request, exc: Exception) -> Response:
+        err = to_api_error(exc, rng)
+        if err.status >= 500 and not isinstance(
+            exc, ApiError | QuotaUnavailable | QueueFull | DeadlineExceeded
+        ):
+            log.exception("unhandled error on %s", request.url.path)
+        return error_response(err)
+
+    return {Exception: handle}

@@ -1,0 +1,89 @@
+"""The gateway process: connect Redis (or start an embedded one), build, serve."""
+
+import logging
+import random
+import sys
+from pathlib import Path
+
+import httpx
+import redis.asyncio as aioredis
+import uvicorn
+from litestar import Litestar
+from prometheus_client import CollectorRegistry
+from quota.limiter import FailurePolicy, QuotaLimiter
+from quota.store import TenantStore
+
+from gateway.admission import QueueConfig
+from gateway.app import create_gateway_app
+from gateway.config import GatewayConfig
+from gateway.context import Gateway
+from gateway.embedded_redis import EmbeddedRedis
+from gateway.pool import Pool
+from gateway.tokens import PromptCounter, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def build_gateway(
+    config: GatewayConfig, redis_url: str, rng: random.Random | None = None
+) -> Gateway:
+    """All collaborators of one gateway process, against the Redis at `redis_url`."""
+    if not config.pools:
+        raise ValueError("the gateway needs at least one pool (pools: {name: [worker URLs]})")
+    redis = aioredis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    registry = CollectorRegistry()
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=2.0), limits=limits)
+    queue = QueueConfig(
+        max_requests=config.queue_max_requests,
+        max_tokens=config.queue_max_tokens,
+        quantum_tokens=config.queue_quantum_tokens,
+        retry_after_s=config.retry_after_s,
+        retry_after_jitter_s=config.retry_after_jitter_s,
+    )
+    pools = {
+        name: Pool(name, urls, client, queue, config.max_inflight_per_worker)
+        for name, urls in config.pools.items()
+    }
+    tokenizers = {pool: load_tokenizer(path) for pool, path in config.tokenizers.items()}
+    policy = FailurePolicy(
+        tokens=config.fail_tokens,
+        requests=config.fail_requests,
+        concurrency=config.fail_concurrency,
+    )
+    return Gateway(
+        config=config,
+        store=TenantStore(redis),
+        limiter=QuotaLimiter(redis, policy, registry),
+        pools=pools,
+        counter=PromptCounter(tokenizers),
+        client=client,
+        registry=registry,
+        redis=redis,
+        rng=rng or random.Random(),
+    )
+
+
+def gateway_app(config: GatewayConfig) -> tuple[Litestar, EmbeddedRedis | None]:
+    embedded = None
+    url = config.redis_url
+    if url is None:
+        embedded = EmbeddedRedis(Path(config.data_dir) / "redis")
+        url = embedded.url
+    return create_gateway_app(build_gateway(config, url)), embedded
+
+
+def serve_gateway(config: GatewayConfig, host: str, port: int) -> None:
+    sys.setswitchinterval(0.001)
+    app, embedded = gateway_app(config)
+    log.info(
+        "gateway on http://%s:%d, pools %s",
+        host,
+        port,
+        {k: len(v) for k, v in config.pools.items()},
+    )
+    try:
+        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
+    finally:
+        if embedded is not None:
+            embedded.close()

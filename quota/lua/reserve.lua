@@ -1,0 +1,77 @@
+-- reserve.lua: check one request against a tenant's limits and charge it, all or nothing,
+-- on the Redis server clock. Every key carries the tenant's hash tag {t}.
+--
+-- KEYS[1]  tokens-per-minute counter    sy:{t}:tpm:<minute>
+-- KEYS[2]  tokens-per-day counter       sy:{t}:tpd:<day>
+-- KEYS[3]  requests-per-minute counter  sy:{t}:rpm:<minute>
+-- KEYS[4]  concurrency sorted set       sy:{t}:conc  (member: request id, score: lease end ms)
+-- KEYS[5]  pending marker               sy:{t}:pending:<request id>
+-- ARGV[1]  minute index KEYS were built for: floor(unix_s / 60)
+-- ARGV[2]  day index KEYS were built for: floor(unix_s / 86400)
+-- ARGV[3]  tokens to reserve
+-- ARGV[4]  tokens per minute limit    ("" = unlimited)
+-- ARGV[5]  tokens per day limit       ("" = unlimited)
+-- ARGV[6]  requests per minute limit  ("" = unlimited)
+-- ARGV[7]  max concurrent requests    ("" = unlimited: no concurrency accounting)
+-- ARGV[8]  request id
+-- ARGV[9]  concurrency lease, ms
+-- ARGV[10] TTL of minute counters, s
+-- ARGV[11] TTL of day counters, s
+-- ARGV[12] TTL of the pending marker, s
+--
+-- Returns {status, server_s, server_us, tokens_minute, tokens_day, requests_minute,
+--          num_concurrent, fail_mask}
+--   status  1: admitted; every window charged; counts are after the charge.
+--   status  0: refused; nothing charged; counts are before; fail_mask bits:
+--              1 tokens/minute, 2 tokens/day, 4 requests/minute, 8 concurrency.
+--   status -1: ARGV[1..2] are not the server's current windows (a window rolled or the
+--              caller's clock is off): nothing done, only {-1, server_s, server_us};
+--              the caller rebuilds KEYS from the server time and calls again.
+
+local t = redis.call('TIME')
+local sec, usec = tonumber(t[1]), tonumber(t[2])
+if math.floor(sec / 60) ~= tonumber(ARGV[1]) or math.floor(sec / 86400) ~= tonumber(ARGV[2]) then
+  return {-1, sec, usec}
+end
+
+local function limit(arg)
+  if arg == '' then return nil end
+  return tonumber(arg)
+end
+
+local tokens = tonumber(ARGV[3])
+local tpm, tpd, rpm, max_conc = limit(ARGV[4]), limit(ARGV[5]), limit(ARGV[6]), limit(ARGV[7])
+local used_tpm = tonumber(redis.call('GET', KEYS[1]) or 0)
+local used_tpd = tonumber(redis.call('GET', KEYS[2]) or 0)
+local used_rpm = tonumber(redis.call('GET', KEYS[3]) or 0)
+local now_ms = sec * 1000 + math.floor(usec / 1000)
+
+local num_conc = 0
+if max_conc then
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', string.format('%d', now_ms))
+  num_conc = redis.call('ZCARD', KEYS[4])
+end
+
+local mask = 0
+if tpm and used_tpm + tokens > tpm then mask = mask + 1 end
+if tpd and used_tpd + tokens > tpd then mask = mask + 2 end
+if rpm and used_rpm + 1 > rpm then mask = mask + 4 end
+if max_conc and num_conc + 1 > max_conc then mask = mask + 8 end
+if mask ~= 0 then
+  return {0, sec, usec, used_tpm, used_tpd, used_rpm, num_conc, mask}
+end
+
+used_tpm = redis.call('INCRBY', KEYS[1], ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[10])
+used_tpd = redis.call('INCRBY', KEYS[2], ARGV[3])
+redis.call('EXPIRE', KEYS[2], ARGV[11])
+used_rpm = redis.call('INCR', KEYS[3])
+redis.call('EXPIRE', KEYS[3], ARGV[10])
+if max_conc then
+  local lease_ms = tonumber(ARGV[9])
+  redis.call('ZADD', KEYS[4], string.format('%d', now_ms + lease_ms), ARGV[8])
+  redis.call('PEXPIRE', KEYS[4], ARGV[9])
+  num_conc = redis.call('ZCARD', KEYS[4])
+end
+redis.call('SET', KEYS[5], ARGV[3], 'EX', ARGV[12])
+return {1, sec, usec, used_tpm, used_tpd, used_rpm, num_conc, 0}

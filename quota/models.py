@@ -1,0 +1,90 @@
+"""Tenants, their limits and API key records: plain data plus the checks on it.
+
+Times are unix seconds (float). A limit of `None` means unlimited.
+"""
+
+import re
+from dataclasses import dataclass, fields
+
+from quota.errors import InvalidLimits
+
+TENANT_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass
+class TenantLimits:
+    """Per-tenant limits; each `None` means unlimited."""
+
+    tokens_per_minute: int | None = None  # prompt + max_tokens reserved per minute window
+    tokens_per_day: int | None = None  # same, per UTC day
+    requests_per_minute: int | None = None
+    max_concurrent: int | None = None  # requests in flight at once
+    max_context: int | None = None  # prompt + max_tokens of one request
+
+
+@dataclass
+class Tenant:
+    tenant_id: str
+    name: str
+    limits: TenantLimits
+    allowed_models: list[str]  # pool names; [] = every pool
+    allow_overflow: bool = True  # may the cascade overflow this tenant to another pool
+    created_at: float = 0.0  # unix seconds
+
+
+@dataclass
+class ApiKeyRecord:
+    """What is stored about an API key, minus its hash: safe to show to an admin."""
+
+    key_id: str  # short random id; the plaintext is `sy-<key_id>-<secret>`
+    tenant_id: str
+    prefix: str  # visible prefix of the plaintext, e.g. "sy-ab12cd34"
+    name: str | None
+    created_at: float  # unix seconds
+    expires_at: float | None  # unix seconds; None = never expires
+    revoked: bool
+
+
+@dataclass
+class IssuedKey:
+    """A freshly created key. `plaintext` exists only here: it is shown once, never stored."""
+
+    record: ApiKeyRecord
+    plaintext: str
+
+
+def is_valid_tenant_id(tenant_id: object) -> bool:
+    return isinstance(tenant_id, str) and TENANT_ID_RE.fullmatch(tenant_id) is not None
+
+
+def validate_tenant_id(tenant_id: object) -> str:
+    """`tenant_id` if it matches TENANT_ID_RE, else InvalidLimits(param="tenant_id")."""
+    if not is_valid_tenant_id(tenant_id):
+        raise InvalidLimits(
+            "tenant_id must be 1-64 characters of letters, digits, '_', '.' or '-'",
+            param="tenant_id",
+        )
+    assert isinstance(tenant_id, str)
+    return tenant_id
+
+
+def validate_limits(limits: TenantLimits) -> TenantLimits:
+    """Every limit must be `None` or a positive int; raise InvalidLimits(param="limits.<f>")."""
+    for f in fields(limits):
+        value = getattr(limits, f.name)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise InvalidLimits(
+                f"limits.{f.name} must be a positive integer or null, got {value!r}",
+                param=f"limits.{f.name}",
+            )
+    return limits
+
+
+def validate_models(allowed_models: object) -> list[str]:
+    if not isinstance(allowed_models, list | tuple) or not all(
+        isinstance(m, str) and m for m in allowed_models
+    ):
+        raise InvalidLimits("allowed_models must be a list of pool names", param="allowed_models")
+    return list(allowed_models)

@@ -1,0 +1,99 @@
+"""A real gateway (in a thread, real HTTP) over a real Redis and fake backends."""
+
+import asyncio
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from benchmarks.fake_backend import FakeBackend
+from gateway.app import create_gateway_app
+from gateway.config import GatewayConfig
+from gateway.process import build_gateway
+from tests.support.redis_server import redis_url as start_redis
+from tests.support.servers import serving
+
+ADMIN = "admin-secret"
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    with start_redis() as url:
+        yield url
+
+
+@dataclass
+class Stack:
+    url: str
+    backends: dict[str, FakeBackend]
+    backend_urls: dict[str, str]
+    redis_url: str
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"authorization": f"Bearer {ADMIN}"})
+
+    def tenant(self, tenant_id: str, **limits) -> str:
+        """Create a tenant with these limits and return a fresh API key."""
+        allowed = limits.pop("allowed_models", [])
+        with self.admin() as c:
+            r = c.post(
+                "/admin/tenants",
+                json={"tenant_id": tenant_id, "limits": limits, "allowed_models": allowed},
+            )
+            assert r.status_code == 201, r.text
+            k = c.post(f"/admin/tenants/{tenant_id}/keys", json={"name": "test"})
+            assert k.status_code == 201, k.text
+            return k.json()["key"]
+
+    def client(self, key: str) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.url, headers={"authorization": f"Bearer {key}"}, timeout=30
+        )
+
+    def usage(self, key: str) -> dict:
+        with self.client(key) as c:
+            return c.get("/v1/usage").json()
+
+
+def _flush(url: str) -> None:
+    import redis
+
+    redis.Redis.from_url(url).flushdb()
+
+
+@contextmanager
+def gateway_stack(redis_url: str, replicas: dict[str, int] | None = None, **config):
+    """Fake backends per pool (name -> replica count), a gateway in front, fresh Redis db."""
+    _flush(redis_url)
+    replicas = replicas or {"small": 1, "large": 1}
+    with ExitStack() as stack:
+        backends, urls, pools = {}, {}, {}
+        for pool, count in replicas.items():
+            pools[pool] = []
+            for i in range(count):
+                name = f"{pool}{i}"
+                backends[name] = FakeBackend(name=name)
+                urls[name] = stack.enter_context(serving(backends[name]))
+                pools[pool].append(urls[name])
+        cfg = GatewayConfig(
+            pools=pools, admin_key=ADMIN, default_pool="small", load_poll_interval_s=0.05, **config
+        )
+        gw = build_gateway(cfg, redis_url)
+        url = stack.enter_context(serving(create_gateway_app(gw)))
+        _wait_ready(url)
+        yield Stack(url, backends, urls, redis_url)
+
+
+def _wait_ready(url: str) -> None:
+    for _ in range(200):
+        if httpx.get(f"{url}/ready").status_code == 200:
+            return
+        asyncio.run(asyncio.sleep(0.02))
+    raise RuntimeError("gateway never became ready")
+
+
+@pytest.fixture
+def stack(redis_url):
+    with gateway_stack(redis_url) as s:
+        yield s
