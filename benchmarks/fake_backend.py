@@ -22,6 +22,7 @@ class FakeBackend:
     def __init__(self, token_delay_s: float = 0.0, mode: str = "ok", name: str = "fake") -> None:
         self.token_delay_s = token_delay_s
         self.mode = mode
+        self.state = "ready"  # what /load reports: "ready" | "draining" | "stalled" | ...
         self.name = name
         self.active = 0
         self.total = 0
@@ -63,6 +64,7 @@ class FakeBackend:
             ctl = json.loads(body or b"{}")
             self.mode = ctl.get("mode", self.mode)
             self.token_delay_s = ctl.get("token_delay_s", self.token_delay_s)
+            self.state = ctl.get("state", self.state)
             return await _json(send, 200, {"mode": self.mode})
         if path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
             return await self._generate(
@@ -83,7 +85,7 @@ class FakeBackend:
 
     def _load(self) -> dict[str, Any]:
         return {
-            "state": "ready",
+            "state": self.state,
             "num_running": self.active,
             "num_waiting": 0,
             "kv_blocks_used": 0,

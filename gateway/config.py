@@ -29,6 +29,7 @@ class GatewayConfig:
     dispatch_attempts: int = 3  # tries across replicas before the first token
     worker_retry_after_cap_s: float = 2.0  # longest a worker's Retry-After is honoured
     sse_heartbeat_s: float = 5.0
+    known_key_ttl_s: float = 300.0  # how long a key stays usable through a Redis outage
     # Redis unreachable: per limit class "open" (serve unchecked) or "closed" (503).
     fail_tokens: str = "open"
     fail_requests: str = "open"

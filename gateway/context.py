@@ -9,12 +9,13 @@ from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry
-from quota.limiter import QuotaLimiter, Reservation
-from quota.store import TenantStore
 
 from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool
 from gateway.tokens import PromptCounter
+from quota.limiter import QuotaLimiter, Reservation
+from quota.store import TenantStore
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,10 @@ class Gateway:
     registry: CollectorRegistry
     redis: Any  # redis.asyncio.Redis
     rng: random.Random = field(default_factory=random.Random)
+    metrics: "GatewayMetrics | None" = None
+    # Keys that authenticated recently, used only while Redis is unreachable (stale if
+    # error): a known key keeps working through an outage, an unknown key never does.
+    known_keys: dict[bytes, tuple[Any, float]] = field(default_factory=dict)
     _background: set[asyncio.Task] = field(default_factory=set)
 
     def cache_salt(self, tenant_id: str) -> str:

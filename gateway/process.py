@@ -10,16 +10,21 @@ import redis.asyncio as aioredis
 import uvicorn
 from litestar import Litestar
 from prometheus_client import CollectorRegistry
-from quota.limiter import FailurePolicy, QuotaLimiter
-from quota.store import TenantStore
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.admission import QueueConfig
 from gateway.app import create_gateway_app
 from gateway.config import GatewayConfig
 from gateway.context import Gateway
 from gateway.embedded_redis import EmbeddedRedis
+from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool
 from gateway.tokens import PromptCounter, load_tokenizer
+from quota.limiter import FailurePolicy, QuotaLimiter
+from quota.store import TenantStore
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +35,15 @@ def build_gateway(
     """All collaborators of one gateway process, against the Redis at `redis_url`."""
     if not config.pools:
         raise ValueError("the gateway needs at least one pool (pools: {name: [worker URLs]})")
-    redis = aioredis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    # Few, fast retries: an unreachable Redis must turn into a fail-open/closed decision
+    # within a request's budget, not after seconds of backoff.
+    redis = aioredis.from_url(
+        redis_url,
+        socket_timeout=1.0,
+        socket_connect_timeout=0.5,
+        retry=Retry(NoBackoff(), 1),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+    )
     registry = CollectorRegistry()
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
     client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=2.0), limits=limits)
@@ -61,6 +74,7 @@ def build_gateway(
         registry=registry,
         redis=redis,
         rng=rng or random.Random(),
+        metrics=GatewayMetrics(registry),
     )
 
 

@@ -2,6 +2,7 @@
 reconcile. Every path that reserved tokens reconciles them exactly once."""
 
 import asyncio
+import hashlib
 import logging
 import time
 import uuid
@@ -11,7 +12,6 @@ from typing import Any
 import httpx
 import msgspec
 from litestar import Request, Response
-from quota.limiter import RateLimitState, Reservation
 
 from gateway.admission import Ticket
 from gateway.balancer import prefix_key
@@ -19,6 +19,7 @@ from gateway.context import Gateway
 from gateway.errors import error_response, to_api_error
 from gateway.relay import Attempt, Dispatcher, WorkerRefused, relay_events
 from gateway.sse import EventStream
+from quota.limiter import RateLimitState, Reservation
 from quota.models import Tenant
 from workers.api import ApiError
 
@@ -58,15 +59,22 @@ def ratelimit_headers(state: RateLimitState | None) -> dict[str, str]:
 
 
 async def authenticate(gw: Gateway, request: Request) -> Tenant:
+    """The caller's tenant. While Redis is unreachable, only a key that authenticated in
+    the last `known_key_ttl_s` is accepted (as it was then): never an unknown key."""
     header = request.headers.get("authorization", "")
     if not header.lower().startswith("bearer "):
         raise ApiError(
             401, "missing API key: send `Authorization: Bearer <key>`", code="invalid_api_key"
         )
+    plaintext = header[7:].strip()
+    digest = hashlib.blake2b(plaintext.encode(), digest_size=16).digest()
     try:
-        found = await gw.store.authenticate(header[7:].strip())
-    except Exception as exc:  # Redis down: key lookup never fails open
-        log.warning("key lookup failed: %r", exc)
+        found = await gw.store.authenticate(plaintext)
+    except Exception as exc:
+        cached = gw.known_keys.get(digest)
+        if cached is not None and time.monotonic() - cached[1] < gw.config.known_key_ttl_s:
+            return cached[0]
+        log.warning("key lookup failed and the key is not known: %r", exc)
         raise ApiError(
             503,
             "authentication unavailable",
@@ -75,7 +83,11 @@ async def authenticate(gw: Gateway, request: Request) -> Tenant:
             retry_after_s=1.0 + gw.rng.random(),
         ) from exc
     if found is None:
+        gw.known_keys.pop(digest, None)
         raise ApiError(401, "invalid API key", code="invalid_api_key")
+    if len(gw.known_keys) > 100_000:
+        gw.known_keys.clear()
+    gw.known_keys[digest] = (found[1], time.monotonic())
     return found[1]
 
 
@@ -209,8 +221,30 @@ def _charge(prep: Prepared, attempt: Attempt, dispatched: bool) -> int:
 
 
 async def handle(gw: Gateway, request: Request, chat: bool) -> Response | EventStream:
+    """One public request, counted by pool, route and status."""
+    t0 = time.perf_counter()
+    labels = ["-", "-"]
+    status = 500
+    try:
+        response = await _handle(gw, request, chat, labels)
+        status = response.status_code
+        return response
+    except Exception as exc:
+        status = to_api_error(exc, gw.rng).status
+        raise
+    finally:
+        if gw.metrics is not None:
+            gw.metrics.requests.labels(labels[0], labels[1], str(status)).inc()
+            if labels[0] != "-":
+                gw.metrics.latency.labels(labels[0]).observe(time.perf_counter() - t0)
+
+
+async def _handle(
+    gw: Gateway, request: Request, chat: bool, labels: list[str]
+) -> Response | EventStream:
     tenant = await authenticate(gw, request)
     prep = prepare(gw, tenant, await request.body(), chat, request.headers.get("x-request-timeout"))
+    labels[:] = [prep.pool, prep.route]
     cost = prep.prompt_tokens + prep.max_tokens
     reservation, state = await gw.limiter.reserve(tenant, prep.request_id, cost)
     headers = {
@@ -222,6 +256,9 @@ async def handle(gw: Gateway, request: Request, chat: bool) -> Response | EventS
     pool = gw.pools[prep.pool]
     ticket = Ticket(prep.request_id, tenant.tenant_id, cost, time.monotonic(), prep.deadline)
     admitted = asyncio.ensure_future(pool.admit(ticket, prep.affinity))
+    if gw.metrics is not None:
+        wait = gw.metrics.queue_wait.labels(prep.pool)
+        admitted.add_done_callback(lambda _: wait.observe(time.monotonic() - ticket.enqueued_at))
     await asyncio.sleep(0)  # a full queue refuses at once, before any response starts
     if admitted.done() and admitted.exception() is not None:
         gw.reconcile_later(reservation, 0)
