@@ -37,10 +37,18 @@ def build_gateway(
         raise ValueError("the gateway needs at least one pool (pools: {name: [worker URLs]})")
     # Few, fast retries: an unreachable Redis must turn into a fail-open/closed decision
     # within a request's budget, not after seconds of backoff.
-    redis = aioredis.from_url(
+    # A bounded pool (requests wait briefly for a connection rather than opening hundreds
+    # under a burst) and few, fast retries: an unreachable Redis must become a fail-open or
+    # fail-closed decision within a request's budget, not after seconds of backoff.
+    pool = aioredis.BlockingConnectionPool.from_url(
         redis_url,
-        socket_timeout=1.0,
-        socket_connect_timeout=0.5,
+        max_connections=32,
+        timeout=2.0,
+        socket_timeout=2.0,
+        socket_connect_timeout=1.0,
+    )
+    redis = aioredis.Redis(
+        connection_pool=pool,
         retry=Retry(NoBackoff(), 1),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
