@@ -164,6 +164,9 @@ async def _relay_delays(url: str, key: str, n: int) -> list[float]:
     return out
 
 
+SLOW_BODY = {**BODY, "max_tokens": 20, "stream": True}  # 20 tokens x 10 ms: 0.2 s of service
+
+
 async def _open_loop(
     url: str, keys: dict[str, float], duration_s: float, deadline_s: float
 ) -> dict:
@@ -179,9 +182,7 @@ async def _open_loop(
             res = results[key]
             t0 = time.perf_counter()
             hdrs = {"authorization": f"Bearer {key}", "x-request-timeout": str(deadline_s)}
-            async with c.stream(
-                "POST", "/v1/completions", json={**BODY, "stream": True}, headers=hdrs
-            ) as r:
+            async with c.stream("POST", "/v1/completions", json=SLOW_BODY, headers=hdrs) as r:
                 if r.status_code != 200:
                     res["refused"] += 1
                     res["no_retry_after"] += "retry-after" not in r.headers
@@ -262,7 +263,7 @@ def run_gateway_bench(opts: GatewayBenchOptions) -> dict:
             # Overload: a backend with capacity ~ 8 in flight x (1 / 0.2 s) = 40 requests/s.
             overload = {}
             for name, cfg in (
-                ("bounded", {"queue_max_requests": 32}),
+                ("bounded", {"queue_max_requests": 2}),
                 (
                     "unbounded",
                     {
@@ -287,13 +288,15 @@ def run_gateway_bench(opts: GatewayBenchOptions) -> dict:
                 tmp,
                 redis.url,
                 token_delay_s=0.01,
-                max_inflight_per_worker=8,
+                max_inflight_per_worker=32,
                 queue_max_requests=256,
             ) as (gw, _):
                 heavy, light = _make_key(gw, "heavy"), _make_key(gw, "light")
-                solo = asyncio.run(_open_loop(gw, {light: 8.0}, min(overload_s, 15.0), 30.0))[light]
+                solo = asyncio.run(_open_loop(gw, {light: 16.0}, min(overload_s, 15.0), 30.0))[
+                    light
+                ]
                 both = asyncio.run(
-                    _open_loop(gw, {light: 8.0, heavy: 80.0}, min(overload_s, 15.0), 30.0)
+                    _open_loop(gw, {light: 16.0, heavy: 160.0}, min(overload_s, 15.0), 30.0)
                 )
                 data["fairness"] = {
                     "light_solo": _summ(solo),
