@@ -22,6 +22,7 @@ class FakeBackend:
     def __init__(self, token_delay_s: float = 0.0, mode: str = "ok", name: str = "fake") -> None:
         self.token_delay_s = token_delay_s
         self.mode = mode
+        self.logprob = -0.05  # of every token, when logprobs are asked for
         self.state = "ready"  # what /load reports: "ready" | "draining" | "stalled" | ...
         self.name = name
         self.active = 0
@@ -65,6 +66,7 @@ class FakeBackend:
             self.mode = ctl.get("mode", self.mode)
             self.token_delay_s = ctl.get("token_delay_s", self.token_delay_s)
             self.state = ctl.get("state", self.state)
+            self.logprob = ctl.get("logprob", self.logprob)
             return await _json(send, 200, {"mode": self.mode})
         if path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
             return await self._generate(
@@ -98,6 +100,18 @@ class FakeBackend:
             "max_model_len": 4096,
         }
 
+    def _logprobs(self, chat: bool, n: int) -> dict[str, Any]:
+        """Every token at log-probability `self.logprob` (set it low for an unsure model)."""
+        if chat:
+            entry = {"token": "x", "logprob": self.logprob, "bytes": [120], "top_logprobs": []}
+            return {"content": [entry] * n}
+        return {
+            "tokens": ["x"] * n,
+            "token_logprobs": [self.logprob] * n,
+            "top_logprobs": [{}] * n,
+            "text_offset": list(range(n)),
+        }
+
     async def _generate(self, req: dict[str, Any], chat: bool, send, receive) -> None:  # noqa: ANN001
         self.bodies.append(req)
         if self.mode == "refuse":
@@ -129,15 +143,18 @@ class FakeBackend:
             if not req.get("stream"):
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s * n)
+                text = self.name[:1] * n  # replicas of different pools answer differently
                 choice = (
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": "x" * n},
+                        "message": {"role": "assistant", "content": text},
                         "finish_reason": "length",
                     }
                     if chat
-                    else {"index": 0, "text": "x" * n, "finish_reason": "length"}
+                    else {"index": 0, "text": text, "finish_reason": "length"}
                 )
+                if req.get("logprobs") not in (None, False):
+                    choice["logprobs"] = self._logprobs(chat, n)
                 return await _json(
                     send,
                     200,

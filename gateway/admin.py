@@ -5,7 +5,8 @@ from dataclasses import asdict
 from typing import Any
 
 import msgspec
-from litestar import Request, Router, delete, get, patch, post
+from cascade.policy import InvalidRouting, settings_to_dict
+from litestar import Request, Router, delete, get, patch, post, put
 from litestar.params import FromPath
 
 from gateway.context import Gateway
@@ -54,6 +55,16 @@ def _models(raw: Any) -> list[str]:
     if not isinstance(raw, list) or not all(isinstance(m, str) for m in raw):
         raise ApiError(400, "allowed_models must be a list of pool names", param="allowed_models")
     return raw
+
+
+def _router(gw: Gateway):
+    if gw.router is None:
+        raise ApiError(
+            404,
+            "this gateway has no cascade (set cascade_small_pool and cascade_large_pool)",
+            code="cascade_not_configured",
+        )
+    return gw.router
 
 
 def admin_router(gw: Gateway) -> Router:
@@ -146,6 +157,30 @@ def admin_router(gw: Gateway) -> Router:
             name: {"waiting": pool.controller.num_waiting, "workers": pool.snapshot()}
             for name, pool in gw.pools.items()
         }
+
+    @get("/routing")
+    async def get_routing(request: Request) -> dict[str, Any]:
+        _require_admin(gw, request)
+        router = _router(gw)
+        return settings_to_dict(await router.refresh(force=True))
+
+    @put("/routing", status_code=200)
+    async def put_routing(request: Request) -> dict[str, Any]:
+        _require_admin(gw, request)
+        router = _router(gw)
+        body = await _json_object(request)
+        known = {t.tenant_id for t in await gw.store.list_tenants()}
+        who = request.headers.get("x-admin-user", "admin")
+        try:
+            new = await router.update(body, known, who)
+        except InvalidRouting as exc:
+            raise ApiError(400, str(exc), param=exc.param, code="invalid_routing") from None
+        return settings_to_dict(new)
+
+    @get("/routing/audit")
+    async def routing_audit(request: Request) -> dict[str, Any]:
+        _require_admin(gw, request)
+        return {"data": await _router(gw).audit()}
 
     return Router(
         path="/admin",

@@ -12,7 +12,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.admin import admin_router
 from gateway.context import Gateway
 from gateway.errors import exception_handlers
-from gateway.proxy import authenticate, handle
+from gateway.intake import authenticate
+from gateway.proxy import handle
 
 log = logging.getLogger(__name__)
 

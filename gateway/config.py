@@ -29,6 +29,11 @@ class GatewayConfig:
     dispatch_attempts: int = 3  # tries across replicas before the first token
     worker_retry_after_cap_s: float = 2.0  # longest a worker's Retry-After is honoured
     sse_heartbeat_s: float = 5.0
+    # The cascade router for `model: auto` (both pools set = enabled).
+    cascade_small_pool: str | None = None
+    cascade_large_pool: str | None = None
+    classifier_path: str | None = None  # None: the artifact shipped in cascade/artifacts
+    routing_poll_s: float = 0.5  # how often replicas look for a new routing version
     known_key_ttl_s: float = 300.0  # how long a key stays usable through a Redis outage
     # Redis unreachable: per limit class "open" (serve unchecked) or "closed" (503).
     fail_tokens: str = "open"

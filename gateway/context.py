@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool
+from gateway.routing import Router
 from gateway.tokens import PromptCounter
 from quota.limiter import QuotaLimiter, Reservation
 from quota.store import TenantStore
@@ -32,6 +33,7 @@ class Gateway:
     redis: Any  # redis.asyncio.Redis
     rng: random.Random = field(default_factory=random.Random)
     metrics: "GatewayMetrics | None" = None
+    router: "Router | None" = None  # the cascade, for `model: auto`
     # Keys that authenticated recently, used only while Redis is unreachable (stale if
     # error): a known key keeps working through an outage, an unknown key never does.
     known_keys: dict[bytes, tuple[Any, float]] = field(default_factory=dict)

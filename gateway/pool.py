@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 import httpx
@@ -42,7 +43,10 @@ class Pool:
             )
             for u in urls
         }
+        self.queue_config = queue_config
         self.queue = FairQueue(queue_config, clock)
+        self.clock = clock
+        self._finished: deque[float] = deque(maxlen=512)  # when requests finished, for rates
         self.controller = AdmissionController(self.queue, self.has_room, clock)
         self._reported: dict[str, str] = {}
 
@@ -67,7 +71,20 @@ class Pool:
 
     def end(self, view: WorkerView) -> None:
         view.inflight = max(view.inflight - 1, 0)
+        self._finished.append(self.clock())
         self.controller.release()
+
+    def estimated_wait_s(self, window_s: float = 10.0) -> float:
+        """Seconds a request entering the queue now would wait: the requests ahead of it
+        over the recent completion rate (0 with nothing waiting, inf with no rate yet)."""
+        waiting = len(self.queue)
+        if waiting == 0:
+            return 0.0
+        now = self.clock()
+        recent = sum(1 for t in self._finished if now - t <= window_s)
+        if recent == 0:
+            return float("inf")
+        return waiting / (recent / window_s)
 
     def mark_unreachable(self, url: str) -> None:
         view = self.views.get(url)

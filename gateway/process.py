@@ -22,6 +22,7 @@ from gateway.context import Gateway
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool
+from gateway.routing import Router, RoutingMetrics
 from gateway.tokens import PromptCounter, load_tokenizer
 from quota.limiter import FailurePolicy, QuotaLimiter
 from quota.store import TenantStore
@@ -72,7 +73,11 @@ def build_gateway(
         requests=config.fail_requests,
         concurrency=config.fail_concurrency,
     )
+    router = None
+    if config.cascade_small_pool and config.cascade_large_pool:
+        router = _build_router(config, redis, registry, pools)
     return Gateway(
+        router=router,
         config=config,
         store=TenantStore(redis),
         limiter=QuotaLimiter(redis, policy, registry),
@@ -83,6 +88,39 @@ def build_gateway(
         redis=redis,
         rng=rng or random.Random(),
         metrics=GatewayMetrics(registry),
+    )
+
+
+def _build_router(config: GatewayConfig, redis, registry: CollectorRegistry, pools: dict) -> Router:
+    from cascade.classifier import load_reference_scores, load_scorer
+
+    for name in (config.cascade_small_pool, config.cascade_large_pool):
+        if name not in pools:
+            raise ValueError(f"cascade pool {name!r} is not among the pools {sorted(pools)}")
+    metrics = RoutingMetrics(registry)
+    scorer, fell_back = load_scorer(config.classifier_path)
+    if fell_back:
+        metrics.fallback_scorer.inc()
+    try:
+        reference = load_reference_scores()
+    except Exception:  # no reference sample: target fractions fall back to thresholds
+        log.warning("no reference scores; routing target fractions are unavailable")
+        reference = []
+    log.info(
+        "cascade: %s -> %s / %s, scorer %s",
+        "auto",
+        config.cascade_small_pool,
+        config.cascade_large_pool,
+        scorer.name,
+    )
+    return Router(
+        redis,
+        scorer,
+        reference,
+        config.cascade_small_pool,
+        config.cascade_large_pool,
+        metrics,
+        config.routing_poll_s,
     )
 
 

@@ -2,214 +2,24 @@
 reconcile. Every path that reserved tokens reconciles them exactly once."""
 
 import asyncio
-import hashlib
 import logging
 import time
-import uuid
-from dataclasses import dataclass
-from typing import Any
 
 import httpx
 import msgspec
+from cascade.policy import should_escalate
 from litestar import Request, Response
 
 from gateway.admission import Ticket
-from gateway.balancer import prefix_key
 from gateway.context import Gateway
 from gateway.errors import error_response, to_api_error
+from gateway.intake import Prepared, authenticate, prepare, ratelimit_headers
 from gateway.relay import Attempt, Dispatcher, WorkerRefused, relay_events
 from gateway.sse import EventStream
-from quota.limiter import RateLimitState, Reservation
-from quota.models import Tenant
+from quota.limiter import Reservation
 from workers.api import ApiError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Prepared:
-    """A validated request, ready to reserve and queue."""
-
-    request_id: str
-    tenant: Tenant
-    pool: str
-    route: str
-    body: dict[str, Any]
-    stream: bool
-    wants_usage: bool
-    prompt_tokens: int
-    max_tokens: int
-    affinity: bytes | None
-    deadline: float
-
-
-def ratelimit_headers(state: RateLimitState | None) -> dict[str, str]:
-    if state is None:
-        return {}
-    out = {}
-    for kind in ("tokens", "requests"):
-        limit = getattr(state, f"limit_{kind}")
-        if limit is None:
-            continue
-        out[f"x-ratelimit-limit-{kind}"] = str(limit)
-        out[f"x-ratelimit-remaining-{kind}"] = str(getattr(state, f"remaining_{kind}"))
-        reset = getattr(state, f"reset_{kind}_s")
-        out[f"x-ratelimit-reset-{kind}"] = f"{reset:.3f}s" if reset is not None else "0s"
-    return out
-
-
-async def authenticate(gw: Gateway, request: Request) -> Tenant:
-    """The caller's tenant. While Redis is unreachable, only a key that authenticated in
-    the last `known_key_ttl_s` is accepted (as it was then): never an unknown key."""
-    header = request.headers.get("authorization", "")
-    if not header.lower().startswith("bearer "):
-        raise ApiError(
-            401, "missing API key: send `Authorization: Bearer <key>`", code="invalid_api_key"
-        )
-    plaintext = header[7:].strip()
-    digest = hashlib.blake2b(plaintext.encode(), digest_size=16).digest()
-    try:
-        found = await gw.store.authenticate(plaintext)
-    except Exception as exc:
-        cached = gw.known_keys.get(digest)
-        if cached is not None and time.monotonic() - cached[1] < gw.config.known_key_ttl_s:
-            return cached[0]
-        log.warning("key lookup failed and the key is not known: %r", exc)
-        raise ApiError(
-            503,
-            "authentication unavailable",
-            type="server_error",
-            code="auth_unavailable",
-            retry_after_s=1.0 + gw.rng.random(),
-        ) from exc
-    if found is None:
-        gw.known_keys.pop(digest, None)
-        raise ApiError(401, "invalid API key", code="invalid_api_key")
-    if len(gw.known_keys) > 100_000:
-        gw.known_keys.clear()
-    gw.known_keys[digest] = (found[1], time.monotonic())
-    return found[1]
-
-
-def _int_field(body: dict[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if (
-        not isinstance(value, int)
-        or isinstance(value, bool)
-        or value < lo
-        or (hi is not None and value > hi)
-    ):
-        bound = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
-        raise ApiError(400, f"{name} must be an integer {bound}", param=name)
-    return value
-
-
-def prepare(
-    gw: Gateway, tenant: Tenant, raw: bytes, chat: bool, timeout_header: str | None
-) -> Prepared:
-    cfg = gw.config
-    if len(raw) > cfg.max_body_bytes:
-        raise ApiError(
-            413, f"request body over {cfg.max_body_bytes} bytes", code="request_too_large"
-        )
-    try:
-        body = msgspec.json.decode(raw) if raw else None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise ApiError(400, "model is required (a pool name or `auto`)", param="model")
-    route = "forced"
-    pool = model
-    if model == "auto":
-        if cfg.default_pool is None:
-            raise ApiError(
-                404,
-                "model `auto` is not configured on this gateway",
-                param="model",
-                code="model_not_found",
-            )
-        pool, route = cfg.default_pool, "fallback"
-    if pool not in gw.pools:
-        raise ApiError(
-            404,
-            f"unknown model {model!r}; try one of {sorted(gw.pools)}",
-            param="model",
-            code="model_not_found",
-        )
-    if tenant.allowed_models and pool not in tenant.allowed_models:
-        raise ApiError(
-            403,
-            f"model {pool!r} is not allowed for this key",
-            param="model",
-            code="model_not_allowed",
-        )
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "stream must be a boolean", param="stream")
-    name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-    max_tokens = _int_field(body, name, 1, cfg.max_tokens_cap)
-    if max_tokens is None:
-        max_tokens = cfg.default_max_tokens
-        body["max_tokens"] = max_tokens
-    if chat:
-        messages = body.get("messages")
-        if (
-            not isinstance(messages, list)
-            or not messages
-            or not all(isinstance(m, dict) for m in messages)
-        ):
-            raise ApiError(400, "messages must be a non-empty list of objects", param="messages")
-        prompt_tokens = gw.counter.chat(pool, messages)
-        first = messages[0].get("content") if messages[0].get("role") == "system" else None
-        affinity = prefix_key(first) if isinstance(first, str) and first else None
-    else:
-        prompt = body.get("prompt")
-        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
-            raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
-        prompt_tokens = gw.counter.completion(pool, prompt)
-        affinity = (
-            prefix_key(prompt if isinstance(prompt, str) else prompt[:256]) if prompt else None
-        )
-    limit = tenant.limits.max_context
-    if limit is not None and prompt_tokens + max_tokens > limit:
-        raise ApiError(
-            400,
-            f"prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds this key's "
-            f"context limit of {limit}",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    timeout = cfg.request_timeout_s
-    if timeout_header:
-        try:
-            timeout = min(float(timeout_header), cfg.request_timeout_s)
-        except ValueError:
-            raise ApiError(400, "x-request-timeout must be a number of seconds") from None
-    wants_usage = bool(
-        isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage")
-    )
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    body["model"] = pool
-    body["cache_salt"] = gw.cache_salt(tenant.tenant_id)
-    return Prepared(
-        request_id=f"gw-{uuid.uuid4().hex}",
-        tenant=tenant,
-        pool=pool,
-        route=route,
-        body=body,
-        stream=stream,
-        wants_usage=wants_usage,
-        prompt_tokens=prompt_tokens,
-        max_tokens=max_tokens,
-        affinity=affinity,
-        deadline=time.monotonic() + timeout,
-    )
 
 
 def _charge(prep: Prepared, attempt: Attempt, dispatched: bool) -> int:
@@ -243,6 +53,8 @@ async def _handle(
     gw: Gateway, request: Request, chat: bool, labels: list[str]
 ) -> Response | EventStream:
     tenant = await authenticate(gw, request)
+    if gw.router is not None:
+        await gw.router.refresh()
     prep = prepare(gw, tenant, await request.body(), chat, request.headers.get("x-request-timeout"))
     labels[:] = [prep.pool, prep.route]
     cost = prep.prompt_tokens + prep.max_tokens
@@ -253,6 +65,9 @@ async def _handle(
         "x-switchyard-route": prep.route,
         **ratelimit_headers(state),
     }
+    if prep.score is not None:
+        headers["x-switchyard-score"] = f"{prep.score:.4f}"
+        headers["x-switchyard-threshold"] = f"{prep.threshold:.4f}"
     pool = gw.pools[prep.pool]
     ticket = Ticket(prep.request_id, tenant.tenant_id, cost, time.monotonic(), prep.deadline)
     admitted = asyncio.ensure_future(pool.admit(ticket, prep.affinity))
@@ -271,21 +86,36 @@ async def _handle(
     return await _json(gw, prep, reservation, admitted, path, payload, headers)
 
 
-async def _json(gw, prep, reservation, admitted, path, payload, headers) -> Response:
+async def _send_json(
+    gw, pool_name: str, prep: Prepared, admitted, path, payload, charges
+) -> httpx.Response:
+    """Wait for the admission, send, and append what this attempt costs to `charges`."""
     attempt = Attempt()
     dispatched = False
-    pool = gw.pools[prep.pool]
+    pool = gw.pools[pool_name]
     try:
         attempt.claimed = await admitted
         dispatched = True
-        r = await Dispatcher(
+        dispatcher = Dispatcher(
             pool, gw.config.dispatch_attempts, gw.config.worker_retry_after_cap_s, gw.rng
-        ).post_json(path, payload, prep.affinity, attempt)
-        out_headers = {**headers}
+        )
+        return await dispatcher.post_json(path, payload, prep.affinity, attempt)
+    finally:
+        _finish(pool, attempt, dispatched, admitted)
+        charges.append(_charge(prep, attempt, dispatched))
+
+
+async def _json(gw, prep, reservation, admitted, path, payload, headers) -> Response:
+    charges: list[int] = []
+    try:
+        r = await _send_json(gw, prep.pool, prep, admitted, path, payload, charges)
+        content = r.content
+        if r.status_code == 200 and prep.escalation is not None:
+            content = await _maybe_escalate(gw, prep, r.json(), path, headers, charges)
         return Response(
-            content=r.content,
+            content=content,
             status_code=r.status_code,
-            headers=out_headers,
+            headers=headers,
             media_type="application/json",
         )
     except (WorkerRefused, httpx.HTTPError) as exc:
@@ -300,8 +130,64 @@ async def _json(gw, prep, reservation, admitted, path, payload, headers) -> Resp
     except Exception as exc:
         return error_response(to_api_error(exc, gw.rng), headers)
     finally:
-        _finish(pool, attempt, dispatched, admitted)
-        gw.reconcile_later(reservation, _charge(prep, attempt, dispatched))
+        gw.reconcile_later(reservation, sum(charges))
+
+
+async def _maybe_escalate(
+    gw, prep: Prepared, small: dict, path: str, headers: dict, charges
+) -> bytes:
+    """Re-run on the large pool when the small model's answer is unsure; both attempts are
+    charged. Returns the body to send (logprobs removed unless the client asked)."""
+    router = gw.router
+    answer = small
+    if should_escalate(token_logprobs(small), prep.escalation):
+        large = router.large_pool
+        cost = prep.prompt_tokens + prep.max_tokens
+        ticket = Ticket(
+            prep.request_id + "-escalated",
+            prep.tenant.tenant_id,
+            cost,
+            time.monotonic(),
+            prep.deadline,
+        )
+        admitted = asyncio.ensure_future(gw.pools[large].admit(ticket, prep.affinity))
+        body = {**prep.body, "model": large}
+        if not prep.client_logprobs:
+            body.pop("logprobs", None)
+            body.pop("top_logprobs", None)
+        try:
+            r = await _send_json(
+                gw, large, prep, admitted, path, msgspec.json.encode(body), charges
+            )
+        except (WorkerRefused, httpx.HTTPError) as exc:
+            log.warning(
+                "escalation of %s failed, keeping the small answer: %r", prep.request_id, exc
+            )
+            r = None
+        if r is not None and r.status_code == 200:
+            answer = r.json()
+            changed = answer_text(answer) != answer_text(small)
+            router.metrics.escalations.labels("true" if changed else "false").inc()
+            headers["x-switchyard-model"] = large
+            headers["x-switchyard-route"] = "escalated"
+    if not prep.client_logprobs:
+        for choice in answer.get("choices", []):
+            choice["logprobs"] = None
+    return msgspec.json.encode(answer)
+
+
+def token_logprobs(body: dict) -> list[float]:
+    """Chosen-token log-probabilities of the first choice (chat or completions shape)."""
+    choice = (body.get("choices") or [{}])[0]
+    lp = choice.get("logprobs") or {}
+    if "content" in lp:
+        return [t["logprob"] for t in lp["content"] or []]
+    return [x for x in lp.get("token_logprobs") or [] if x is not None]
+
+
+def answer_text(body: dict) -> str:
+    choice = (body.get("choices") or [{}])[0]
+    return choice.get("text") or (choice.get("message") or {}).get("content") or ""
 
 
 async def _stream(gw, prep: Prepared, reservation: Reservation, admitted, path, payload):

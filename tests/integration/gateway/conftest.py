@@ -3,6 +3,7 @@
 import asyncio
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -29,6 +30,7 @@ class Stack:
     backends: dict[str, FakeBackend]
     backend_urls: dict[str, str]
     redis_url: str
+    gateway: Any = None  # the in-process Gateway, when there is one
 
     def admin(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"authorization": f"Bearer {ADMIN}"})
@@ -77,12 +79,17 @@ def gateway_stack(redis_url: str, replicas: dict[str, int] | None = None, **conf
                 urls[name] = stack.enter_context(serving(backends[name]))
                 pools[pool].append(urls[name])
         cfg = GatewayConfig(
-            pools=pools, admin_key=ADMIN, default_pool="small", load_poll_interval_s=0.05, **config
+            pools=pools,
+            routing_poll_s=0.1,
+            admin_key=ADMIN,
+            default_pool="small",
+            load_poll_interval_s=0.05,
+            **config,
         )
         gw = build_gateway(cfg, redis_url)
         url = stack.enter_context(serving(create_gateway_app(gw)))
         _wait_ready(url)
-        yield Stack(url, backends, urls, redis_url)
+        yield Stack(url, backends, urls, redis_url, gw)
 
 
 def _wait_ready(url: str) -> None:
