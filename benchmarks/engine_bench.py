@@ -35,7 +35,9 @@ class BenchOptions:
     num_requests: int = 64
     hf_sample: int = 8
     quick: bool = False  # a smoke run with tiny numbers; its figures mean nothing
-    scenarios: list[str] = field(default_factory=lambda: ["throughput", "prefix", "chunked"])
+    scenarios: list[str] = field(
+        default_factory=lambda: ["throughput", "decode", "prefix", "chunked"]
+    )
     seed: int = 0
 
 
@@ -89,16 +91,15 @@ def run_engine_bench(opts: BenchOptions) -> dict:
             ("switchyard", base),
             ("hf_generate", {**base, "hf_sample": opts.hf_sample}),
             ("hf_generate_batch", base),
-            (
-                "decode",
-                {
-                    "ckpt": str(ckpt),
-                    "decode_batch": 64,
-                    "decode_context": 64 if opts.quick else 256,
-                    "decode_steps": 8 if opts.quick else 32,
-                },
-            ),
         ]
+    if "decode" in opts.scenarios:
+        decode_spec = {
+            "ckpt": str(ckpt),
+            "decode_batch": 64,
+            "decode_context": 64 if opts.quick else 256,
+            "decode_steps": 8 if opts.quick else 32,
+        }
+        jobs.append(("decode", decode_spec))
     if "prefix" in opts.scenarios:
         plen = 128 if opts.quick else 1024
         jobs.append(

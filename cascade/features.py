@@ -94,6 +94,8 @@ def request_view(
     num_turns = 0
     last_user = ""
     for msg in messages:
+        if not isinstance(msg, dict):
+            continue
         text = _content_text(msg.get("content"))
         parts.append(text)
         role = msg.get("role")
@@ -124,7 +126,7 @@ def dense_features(view: RequestView) -> list[float]:
         log1p(view.system_chars),
         log1p(text.count("```")),
         log1p(len(_NUMBER.findall(text))),
-        sum(c.isdigit() for c in text) / num_chars,
+        sum(map(str.isdigit, text)) / num_chars,
         log1p(len(_OPERATOR.findall(text))),
         log1p(len(_MATH_SYMBOL.findall(text))),
         log1p(text.count("?")),
@@ -134,8 +136,8 @@ def dense_features(view: RequestView) -> list[float]:
         sum(len(w) for w in words) / num_words,
         sum(len(w) >= 9 for w in words) / num_words,
         len({w.lower() for w in words}) / num_words,
-        sum(c.isupper() for c in text) / num_chars,
-        sum(ord(c) > 127 for c in text) / num_chars,
+        sum(map(str.isupper, text)) / num_chars,
+        (len(text) - len(text.encode("ascii", "ignore"))) / num_chars,
         log1p(view.max_tokens or 0),
         1.0 if view.max_tokens else 0.0,
     ]

@@ -249,8 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--quick", action="store_true", help="a small smoke run, not the real figures")
     be.add_argument(
         "--scenarios",
-        default="throughput,prefix,chunked",
-        help="comma list of throughput,prefix,chunked",
+        default="throughput,decode,prefix,chunked",
+        help="comma list of throughput,decode,prefix,chunked",
     )
     be.set_defaults(func=_cmd_bench_engine)
     bw = bench.add_parser("worker", help="worker over HTTP (streaming) vs the in-process engine")

@@ -1,0 +1,223 @@
+"""Routing policy as pure functions over plain data: thresholds, overflow, escalation.
+
+No Redis and no HTTP here: the gateway loads `RoutingSettings` (validated by
+`settings_from_dict`), keeps the reference scores of the loaded classifier, and calls
+these per request.
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+_ABOVE_ANY_SCORE = math.nextafter(1.0, 2.0)  # a threshold no score in [0, 1] reaches
+
+
+class InvalidRouting(Exception):
+    """Bad routing settings; `param` is the dotted path of the offending field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+@dataclass
+class EscalationSettings:
+    """Re-ask the large model when the small model's answer looks unsure.
+
+    Escalate when the mean token logprob is below `min_mean_logprob` or any token's is
+    below `min_token_logprob` (natural log, so both are <= 0).
+    """
+
+    enabled: bool = False
+    min_mean_logprob: float = -1.5
+    min_token_logprob: float = -6.0
+
+
+@dataclass
+class RoutingSettings:
+    """Cascade thresholds: a request goes large when its score >= its threshold.
+
+    A target fraction (0..1 of reference traffic sent large) overrides the threshold at
+    the same level; a tenant's own setting overrides the defaults. `escalation` is per
+    tenant, with key "*" as the default. `version` increases with every change.
+    """
+
+    default_threshold: float = 0.5
+    tenant_thresholds: dict[str, float] = field(default_factory=dict)
+    default_target_fraction: float | None = None
+    tenant_target_fractions: dict[str, float] = field(default_factory=dict)
+    overflow_max_wait_s: float = 5.0
+    escalation: dict[str, EscalationSettings] = field(default_factory=dict)
+    version: int = 0
+
+
+def _number(value: Any, param: str, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        raise InvalidRouting(f"{param} must be a number", param)
+    if not lo <= value <= hi:
+        raise InvalidRouting(f"{param} must be in [{lo}, {hi}], got {value}", param)
+    return float(value)
+
+
+def _tenant_map(
+    raw: Any, param: str, known_tenants: set[str] | None, allow_default: bool = False
+) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise InvalidRouting(f"{param} must be an object keyed by tenant id", param)
+    for tenant in raw:
+        if allow_default and tenant == "*":
+            continue
+        if not isinstance(tenant, str) or (
+            known_tenants is not None and tenant not in known_tenants
+        ):
+            raise InvalidRouting(f"unknown tenant {tenant!r} in {param}", f"{param}.{tenant}")
+    return raw
+
+
+def _escalation(raw: Any, param: str) -> EscalationSettings:
+    if not isinstance(raw, dict):
+        raise InvalidRouting(f"{param} must be an object", param)
+    unknown = set(raw) - {"enabled", "min_mean_logprob", "min_token_logprob"}
+    if unknown:
+        name = sorted(unknown)[0]
+        raise InvalidRouting(f"unknown field {name!r}", f"{param}.{name}")
+    out = EscalationSettings()
+    if "enabled" in raw:
+        if not isinstance(raw["enabled"], bool):
+            raise InvalidRouting(f"{param}.enabled must be true or false", f"{param}.enabled")
+        out.enabled = raw["enabled"]
+    for name in ("min_mean_logprob", "min_token_logprob"):
+        if name in raw:
+            setattr(out, name, _number(raw[name], f"{param}.{name}", -math.inf, 0.0))
+    return out
+
+
+def settings_from_dict(raw: dict, known_tenants: set[str] | None = None) -> RoutingSettings:
+    """Validate and build settings; missing fields take defaults.
+
+    Thresholds and fractions must lie in [0, 1]; tenant keys must be in `known_tenants`
+    (None: not checked). Raises `InvalidRouting` naming the field, e.g.
+    `tenant_thresholds.acme`.
+    """
+    if not isinstance(raw, dict):
+        raise InvalidRouting("routing settings must be an object", "routing")
+    fields = set(RoutingSettings.__dataclass_fields__)
+    unknown = sorted(set(raw) - fields)
+    if unknown:
+        raise InvalidRouting(f"unknown field {unknown[0]!r}", unknown[0])
+    s = RoutingSettings()
+    if "default_threshold" in raw:
+        s.default_threshold = _number(raw["default_threshold"], "default_threshold", 0.0, 1.0)
+    if raw.get("default_target_fraction") is not None:
+        s.default_target_fraction = _number(
+            raw["default_target_fraction"], "default_target_fraction", 0.0, 1.0
+        )
+    for name in ("tenant_thresholds", "tenant_target_fractions"):
+        if name in raw:
+            table = _tenant_map(raw[name], name, known_tenants)
+            setattr(s, name, {t: _number(v, f"{name}.{t}", 0.0, 1.0) for t, v in table.items()})
+    if "overflow_max_wait_s" in raw:
+        s.overflow_max_wait_s = _number(
+            raw["overflow_max_wait_s"], "overflow_max_wait_s", 0.0, math.inf
+        )
+    if "escalation" in raw:
+        table = _tenant_map(raw["escalation"], "escalation", known_tenants, allow_default=True)
+        s.escalation = {t: _escalation(v, f"escalation.{t}") for t, v in table.items()}
+    if "version" in raw:
+        v = raw["version"]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise InvalidRouting("version must be a non-negative integer", "version")
+        s.version = v
+    return s
+
+
+def settings_to_dict(s: RoutingSettings) -> dict:
+    """Plain JSON-able dict; `settings_from_dict(settings_to_dict(s)) == s`."""
+    return asdict(s)
+
+
+def threshold_for_fraction(reference_scores: Sequence[float], fraction: float) -> float:
+    """The score threshold that sends `fraction` of the reference traffic large.
+
+    0 gives a threshold above any score (never large), 1 gives 0.0 (always large);
+    between, the midpoint between the k-th and (k+1)-th highest reference scores,
+    k = round(fraction * n). Raises ValueError on empty scores or a fraction outside [0, 1].
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+    if not reference_scores:
+        raise ValueError("no reference scores")
+    if fraction >= 1.0:
+        return 0.0
+    if fraction <= 0.0:
+        return _ABOVE_ANY_SCORE
+    desc = sorted(reference_scores, reverse=True)
+    k = round(fraction * len(desc))
+    if k == 0:
+        return math.nextafter(desc[0], math.inf)
+    if k >= len(desc):
+        return desc[-1]
+    return (desc[k - 1] + desc[k]) / 2
+
+
+def effective_threshold(
+    s: RoutingSettings,
+    tenant_id: str,
+    reference_scores: Sequence[float],
+    key_threshold: float | None = None,
+    request_threshold: float | None = None,
+) -> float:
+    """The threshold for one request.
+
+    Precedence: request > API key > tenant (target fraction, else threshold) >
+    default (target fraction, else threshold). Fractions need `reference_scores`.
+    """
+    if request_threshold is not None:
+        return request_threshold
+    if key_threshold is not None:
+        return key_threshold
+    if tenant_id in s.tenant_target_fractions:
+        return threshold_for_fraction(reference_scores, s.tenant_target_fractions[tenant_id])
+    if tenant_id in s.tenant_thresholds:
+        return s.tenant_thresholds[tenant_id]
+    if s.default_target_fraction is not None:
+        return threshold_for_fraction(reference_scores, s.default_target_fraction)
+    return s.default_threshold
+
+
+def route(score: float, threshold: float) -> str:
+    """The pool: "large" when `score >= threshold`, else "small"."""
+    return "large" if score >= threshold else "small"
+
+
+def should_overflow(
+    large_estimated_wait_s: float, large_queue_full: bool, bound_s: float, tenant_allows: bool
+) -> bool:
+    """Send a large-routed request to the small pool instead (the tenant must allow it)
+    when the large pool's queue is full or its estimated wait exceeds `bound_s`."""
+    return tenant_allows and (large_queue_full or large_estimated_wait_s > bound_s)
+
+
+def answer_confidence(token_logprobs: Sequence[float]) -> tuple[float, float]:
+    """(mean, min) token logprob of an answer; the mean is per token (length-normalised).
+
+    An empty answer gives (0.0, 0.0): no evidence of doubt.
+    """
+    if not token_logprobs:
+        return 0.0, 0.0
+    return math.fsum(token_logprobs) / len(token_logprobs), min(token_logprobs)
+
+
+def escalation_for(s: RoutingSettings, tenant_id: str) -> EscalationSettings:
+    """The tenant's escalation settings, else the "*" entry, else disabled defaults."""
+    return s.escalation.get(tenant_id) or s.escalation.get("*") or EscalationSettings()
+
+
+def should_escalate(token_logprobs: Sequence[float], settings: EscalationSettings) -> bool:
+    """True when escalation is enabled and the answer's confidence is below either bound."""
+    if not settings.enabled:
+        return False
+    mean, lowest = answer_confidence(token_logprobs)
+    return mean < settings.min_mean_logprob or lowest < settings.min_token_logprob

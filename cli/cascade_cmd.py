@@ -1,0 +1,172 @@
+"""`switchyard cascade …`: train, evaluate and exercise the difficulty classifier.
+
+Imports happen inside the command functions so `switchyard --help` stays fast.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from cascade.data import DatasetError, load_dataset
+    from cascade.model import TrainConfig
+    from cascade.train import train_classifier
+
+    try:
+        dataset = load_dataset(args.data)
+    except DatasetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    manifest = train_classifier(
+        dataset,
+        Path(args.out),
+        TrainConfig.quick(args.seed) if args.quick else TrainConfig(seed=args.seed),
+        name=args.name,
+        num_reference=args.num_reference,
+    )
+    ref = manifest["metrics"].get("reference_sample")
+    print(f"wrote {args.out} ({manifest['vocabulary_size']} terms, {manifest['hyperparameters']})")
+    if ref:
+        print(
+            f"reference sample (random, optimistic): APGR classifier "
+            f"{ref['classifier']['apgr']:.3f}, prompt length {ref['prompt_length']['apgr']:.3f}"
+        )
+    return 0
+
+
+def _latency(classifier: str | None, views: list, num: int) -> dict:
+    from cascade.bench import measure_scoring_latency
+    from cascade.classifier import load_scorer
+
+    scorer, fell_back = load_scorer(classifier)
+    report = measure_scoring_latency(scorer, views[:num]).as_dict()
+    return {**report, "fell_back": fell_back}
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from cascade.data import DatasetError, load_dataset
+    from cascade.evaluate import evaluate_dataset, method_notes
+    from cascade.model import TrainConfig
+    from cascade.report import render_markdown, write_report
+
+    try:
+        dataset = load_dataset(args.data)
+    except DatasetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    config = TrainConfig.quick(args.seed) if args.quick else TrainConfig(seed=args.seed)
+    report = evaluate_dataset(dataset, config, args.folds, args.random_folds, args.n_jobs)
+    report["notes"] = method_notes(config)
+    if args.bench_prompts:
+        views = [e.view for e in dataset.examples]
+        report["latency"] = _latency(args.classifier, views, args.bench_prompts)
+    if args.out:
+        write_report(report, Path(args.out))
+    print(render_markdown(report).split("## Calibration")[0])
+    return 0
+
+
+def _read_requests(stream) -> list[tuple[int, dict | None, str | None]]:
+    import json
+
+    out: list[tuple[int, dict | None, str | None]] = []
+    for num, line in enumerate(stream, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            out.append((num, None, f"line {num}: bad JSON: {exc.msg}"))
+            continue
+        ok = isinstance(obj, dict) and (
+            isinstance(obj.get("prompt"), str) or isinstance(obj.get("messages"), list)
+        )
+        out.append((num, obj, None) if ok else (num, None, f"line {num}: needs prompt or messages"))
+    return out
+
+
+def _cmd_score(args: argparse.Namespace) -> int:
+    import json
+
+    from cascade.classifier import load_scorer
+
+    scorer, fell_back = load_scorer(args.classifier)
+    num_errors = 0
+    for _, obj, error in _read_requests(sys.stdin):
+        if obj is None:
+            num_errors += 1
+            print(json.dumps({"error": error}))
+            continue
+        prompt = obj.get("prompt") if isinstance(obj.get("prompt"), str) else ""
+        messages = obj.get("messages") if isinstance(obj.get("messages"), list) else None
+        max_tokens = obj.get("max_tokens") if isinstance(obj.get("max_tokens"), int) else None
+        out = {"score": round(scorer.score(prompt, messages, max_tokens), 6)}
+        out |= {"fallback": fell_back, "scorer": scorer.name}
+        if "id" in obj:
+            out = {"id": obj["id"], **out}
+        if args.explain:
+            out["explain"] = scorer.explain(prompt, messages, max_tokens, top=args.explain)
+        print(json.dumps(out))
+    return 1 if num_errors else 0
+
+
+def _cmd_bench_score(args: argparse.Namespace) -> int:
+    import json
+
+    from cascade.bench import synthetic_prompts
+    from cascade.features import request_view
+
+    if args.data:
+        from cascade.data import load_dataset
+
+        views = [e.view for e in load_dataset(args.data).examples]
+    else:
+        views = [request_view(p) for p in synthetic_prompts(args.num)]
+    report = _latency(args.classifier, views, args.num)
+    text = json.dumps(report, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n", encoding="utf-8")
+    print(text)
+    return 0
+
+
+def add_cascade_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Add `cascade` with `train`, `eval`, `score` and `bench-score`."""
+    cascade = subparsers.add_parser("cascade", help="the difficulty classifier of the router")
+    sub = cascade.add_subparsers(dest="action", required=True)
+    data_help = "CSV/JSONL of (prompt, weak_ok, strong_ok[, group]) or a directory of them"
+    clf_help = "classifier artifact directory (default: the shipped difficulty-v1)"
+
+    tr = sub.add_parser("train", help="train the classifier and write its artifact")
+    tr.add_argument("--data", required=True, help=data_help)
+    tr.add_argument("--out", required=True, help="artifact directory to write")
+    tr.add_argument("--name", default=None, help="artifact name (default: the directory name)")
+    tr.add_argument("--num-reference", type=int, default=1000, help="held-out reference sample")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--quick", action="store_true", help="tiny search: a smoke run, not to ship")
+    tr.set_defaults(func=_cmd_train)
+
+    ev = sub.add_parser("eval", help="grouped and random CV: cost-quality curves, APGR, CPT")
+    ev.add_argument("--data", required=True, help=data_help)
+    ev.add_argument("--out", default=None, help="report directory (report.md/json, curve.png)")
+    ev.add_argument("--folds", type=int, default=5, help="GroupKFold folds (0: skip)")
+    ev.add_argument("--random-folds", type=int, default=5, help="random KFold folds (0: skip)")
+    ev.add_argument("--classifier", default=None, help=clf_help + "; timed for latency")
+    ev.add_argument("--bench-prompts", type=int, default=3000, help="prompts timed (0: skip)")
+    ev.add_argument("--n-jobs", type=int, default=1, help="folds trained in parallel")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--quick", action="store_true", help="tiny search: a smoke run")
+    ev.set_defaults(func=_cmd_eval)
+
+    sc = sub.add_parser("score", help='score JSONL on stdin: {"prompt"} or {"messages"}')
+    sc.add_argument("--classifier", default=None, help=clf_help)
+    sc.add_argument("--explain", type=int, default=0, help="add the top N feature contributions")
+    sc.set_defaults(func=_cmd_score)
+
+    bs = sub.add_parser("bench-score", help="scoring latency p50/p99 on one core")
+    bs.add_argument("--classifier", default=None, help=clf_help)
+    bs.add_argument("--data", default=None, help=data_help + " (default: synthetic prompts)")
+    bs.add_argument("--num", type=int, default=3000, help="prompts to time")
+    bs.add_argument("--out", default=None, help="also write the JSON here")
+    bs.set_defaults(func=_cmd_bench_score)
