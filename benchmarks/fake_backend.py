@@ -153,7 +153,7 @@ class FakeBackend:
                     if chat
                     else {"index": 0, "text": text, "finish_reason": "length"}
                 )
-                if req.get("logprobs") not in (None, False):
+                if req.get("logprobs") is not None and req.get("logprobs") is not False:
                     choice["logprobs"] = self._logprobs(chat, n)
                 return await _json(
                     send,

@@ -195,5 +195,8 @@ def admin_router(gw: Gateway) -> Router:
             revoke_key,
             usage,
             fleet,
+            get_routing,
+            put_routing,
+            routing_audit,
         ],
     )

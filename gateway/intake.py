@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from cascade.policy import EscalationSettings
+from cascade.policy import EscalationSettings, escalation_for
 from litestar import Request
 
 from gateway.balancer import prefix_key
@@ -199,9 +199,8 @@ def prepare(
     client_logprobs = body.get("logprobs") is True if chat else body.get("logprobs") is not None
     escalation = None
     if decision is not None and decision.route == "classifier" and pool == gw.router.small_pool:
-        esc = gw.router.settings.escalation
-        chosen = esc.get(tenant.tenant_id) or esc.get("*")
-        if chosen is not None and chosen.enabled and not stream:
+        chosen = escalation_for(gw.router.settings, tenant.tenant_id)
+        if chosen.enabled and not stream:
             escalation = chosen
             if chat:
                 body["logprobs"] = True
