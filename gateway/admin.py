@@ -5,10 +5,10 @@ from dataclasses import asdict
 from typing import Any
 
 import msgspec
-from cascade.policy import InvalidRouting, settings_to_dict
 from litestar import Request, Router, delete, get, patch, post, put
 from litestar.params import FromPath
 
+from cascade.policy import InvalidRouting, settings_to_dict
 from gateway.context import Gateway
 from quota.errors import TenantNotFound
 from quota.models import TenantLimits

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from cascade.policy import EscalationSettings, escalation_for
 from litestar import Request
 
+from cascade.policy import EscalationSettings, escalation_for
 from gateway.balancer import prefix_key
 from gateway.context import Gateway
 from quota.limiter import RateLimitState

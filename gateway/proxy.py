@@ -7,9 +7,9 @@ import time
 
 import httpx
 import msgspec
-from cascade.policy import should_escalate
 from litestar import Request, Response
 
+from cascade.policy import should_escalate
 from gateway.admission import Ticket
 from gateway.context import Gateway
 from gateway.errors import error_response, to_api_error
