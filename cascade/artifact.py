@@ -26,9 +26,8 @@ from cascade.features import (
     DENSE_FEATURE_NAMES,
     FEATURE_VERSION,
     RequestView,
-    dense_features,
+    analyze,
     request_view,
-    text_tokens,
 )
 
 ARTIFACT_FORMAT = "switchyard-difficulty/1"
@@ -131,16 +130,14 @@ class LinearDifficultyScorer:
 
     def _contributions(self, view: RequestView) -> tuple[dict[str, float], float]:
         """Per-feature terms of the decision value (before calibration), and the total."""
-        counts = Counter(t for t in text_tokens(view.text) if t in self._terms)
+        dense, tokens = analyze(view)
+        counts = Counter(filter(self._terms.__contains__, tokens))
         weights = {t: (1.0 + math.log(n)) * self._terms[t][0] for t, n in counts.items()}
         norm = math.sqrt(sum(v * v for v in weights.values())) or 1.0
         parts = {
             f"text:{t}": v / norm * self._terms[t][1] / self._spread for t, v in weights.items()
         }
-        z = [
-            (x - m) / s
-            for x, m, s in zip(dense_features(view), self._mean, self._scale, strict=True)
-        ]
+        z = [(x - m) / s for x, m, s in zip(dense, self._mean, self._scale, strict=True)]
         for name, zj, cj in zip(DENSE_FEATURE_NAMES, z, self._dense_coef, strict=True):
             parts[f"dense:{name}"] = zj * cj / self._spread
         prior_name = DENSE_FEATURE_NAMES[self._prior_index]
@@ -149,7 +146,8 @@ class LinearDifficultyScorer:
         return parts, total
 
     def _decision(self, view: RequestView) -> float:
-        counts = Counter(t for t in text_tokens(view.text) if t in self._terms)
+        dense, tokens = analyze(view)
+        counts = Counter(filter(self._terms.__contains__, tokens))
         dot = norm_sq = 0.0
         for term, n in counts.items():
             idf, coef = self._terms[term]
@@ -157,12 +155,9 @@ class LinearDifficultyScorer:
             norm_sq += v * v
             dot += v * coef
         text = dot / math.sqrt(norm_sq) if norm_sq else 0.0
-        z = [
-            (x - m) / s
-            for x, m, s in zip(dense_features(view), self._mean, self._scale, strict=True)
-        ]
-        dense = sum(zj * cj for zj, cj in zip(z, self._dense_coef, strict=True))
-        learned = (text + dense + self._intercept) / self._spread
+        z = [(x - m) / s for x, m, s in zip(dense, self._mean, self._scale, strict=True)]
+        dense_part = sum(zj * cj for zj, cj in zip(z, self._dense_coef, strict=True))
+        learned = (text + dense_part + self._intercept) / self._spread
         return learned + self._prior_weight * z[self._prior_index]
 
     def _probability(self, decision: float) -> float:

@@ -97,7 +97,10 @@ def _example(raw: dict, default_group: str, path: Path, row: int) -> Example:
     if not isinstance(prompt, str) and not isinstance(messages, list):
         raise DatasetError("needs a string 'prompt' or a list 'messages'", path, row)
     max_tokens = raw.get("max_tokens")
-    max_tokens = int(max_tokens) if max_tokens not in (None, "") else None
+    try:
+        max_tokens = int(float(max_tokens)) if max_tokens not in (None, "") else None
+    except (TypeError, ValueError) as exc:
+        raise DatasetError(f"max_tokens {max_tokens!r} is not a number", path, row) from exc
     group_col = _pick(raw, GROUP_COLUMNS)
     group = str(raw[group_col]) if group_col and raw[group_col] not in (None, "") else None
     return Example(

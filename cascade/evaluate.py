@@ -259,4 +259,32 @@ def method_notes(config: TrainConfig) -> list[str]:
         "only the large model is right.",
         "- Pooled APGR ranks out-of-fold scores of different fold models together; the "
         "per-fold mean is the headline.",
+        "",
+        "## Limits",
+        "",
+        "- On the RouteLLM MMLU data, within one subject no surface feature ranked prompts "
+        "better than chance while the features were designed (mean within-subject AUC "
+        "of every dense feature between 0.47 and 0.52). On new subjects the signal is "
+        "mostly *which subjects are hard*, learnt from ~38 subjects per fold, hence the large "
+        "fold-to-fold spread; the TF-IDF part mostly memorises subject vocabulary, which "
+        "is why the random split looks much better than the grouped one.",
+        "- Turns, system prompt, code fences and max_tokens never vary in MMLU, so the "
+        "shipped model gives them zero weight; retrain on your own traffic "
+        "(`switchyard cascade train --data traffic.jsonl`) to use them.",
+        "- MMLU prompts are short multiple-choice questions (at most ~4,900 characters); "
+        "on long chat prompts the length prior dominates the score. Labels are one "
+        "sampled answer per model, so some are noise.",
+        "- While inspecting the data, the needs-large rate of every subject (the 13 "
+        "design-holdout subjects included) was printed once; nothing else of those "
+        "subjects was looked at before this evaluation.",
+        "",
+        "## Reproduce",
+        "",
+        "```",
+        "switchyard cascade train --data ../shared/data/routellm/mmlu "
+        "--out cascade/artifacts/difficulty-v1",
+        "switchyard cascade eval --data ../shared/data/routellm/mmlu "
+        "--out cascade/artifacts/difficulty-v1/eval",
+        "switchyard cascade bench-score --num 3000",
+        "```",
     ]

@@ -74,27 +74,45 @@ def _compare(clf: float, length: float) -> str:
     return "beats" if clf > length else "does NOT beat"
 
 
+def _paired(proto: dict[str, Any]) -> tuple[float, float]:
+    """Mean and standard error of the per-fold APGR difference, classifier - length."""
+    diffs = [
+        f["routers"]["classifier"]["apgr"] - f["routers"]["prompt_length"]["apgr"]
+        for f in proto["folds"]
+    ]
+    if len(diffs) < 2:
+        return (diffs[0] if diffs else 0.0), float("nan")
+    mean = sum(diffs) / len(diffs)
+    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return mean, (var / len(diffs)) ** 0.5
+
+
 def _verdict(report: dict[str, Any]) -> list[str]:
     lines = []
     for kind, proto in report["protocols"].items():
         m = proto["mean_over_folds"]
         c, p = m["classifier"]["apgr"]["mean"], m["prompt_length"]["apgr"]["mean"]
         wins = proto["classifier_beats_length_in_folds"]
-        verb = _compare(c, p)
+        diff, se = _paired(proto)
+        if abs(diff) >= 2 * se:
+            verb, noise = ("beats" if diff > 0 else "is worse than"), "over twice its s.e."
+        else:
+            verb = "is not clearly better than" if diff > 0 else "is not clearly worse than"
+            noise = "within fold-to-fold noise"
         lines.append(
-            f"- **{kind}** folds: the classifier {verb} prompt length on mean APGR "
-            f"({c:.3f} vs {p:.3f}; higher in {wins} of {proto['num_folds']} folds). "
-            f"Pooled out-of-fold: {proto['pooled']['classifier']['apgr']:.3f} vs "
+            f"- **{kind}** folds: the classifier {verb} prompt length: mean APGR "
+            f"{c:.3f} vs {p:.3f}, higher in {wins} of {proto['num_folds']} folds, paired "
+            f"difference {diff:+.3f} (s.e. {se:.3f}, {noise}). Pooled out-of-fold: "
+            f"{proto['pooled']['classifier']['apgr']:.3f} vs "
             f"{proto['pooled']['prompt_length']['apgr']:.3f}."
         )
     sub = report.get("subsets", {}).get("design_holdout_groups")
     if sub:
         c = sub["pooled"]["classifier"]["apgr"]
         p = sub["pooled"]["prompt_length"]["apgr"]
-        verb = _compare(c, p)
         lines.append(
             f"- On the {len(sub['groups'])} groups never looked at during feature design "
-            f"(grouped out-of-fold scores), the classifier {verb} prompt length: "
+            f"(grouped out-of-fold scores), the classifier {_compare(c, p)} prompt length: "
             f"APGR {c:.3f} vs {p:.3f}."
         )
     return lines
@@ -180,17 +198,22 @@ def render_markdown(report: dict[str, Any]) -> str:
                 f"{hp['prior_weight']:g} | {f['routers']['classifier']['apgr']:.3f} | "
                 f"{f['routers']['prompt_length']['apgr']:.3f} |"
             )
-    lat = report.get("latency")
-    if lat:
+    runs = report.get("latency") or {}
+    if runs:
         out += [
             "",
-            "## Scoring latency",
+            "## Scoring latency (one core, one thread)",
             "",
-            f"`{lat['scorer']}` over {lat['num_prompts']} prompts "
-            f"(mean {lat['mean_prompt_chars']:.0f} chars), {lat['cpu']}: "
-            f"p50 {lat['p50_ms']:.3f} ms, p90 {lat['p90_ms']:.3f} ms, "
-            f"p99 {lat['p99_ms']:.3f} ms, max {lat['max_ms']:.3f} ms.",
+            "| prompts | scorer | n | mean chars | p50 ms | p90 ms | p99 ms | max ms |",
+            "|---|---|---|---|---|---|---|---|",
         ]
+        for label, lat in runs.items():
+            out.append(
+                f"| {label} | `{lat['scorer']}` | {lat['num_prompts']} | "
+                f"{lat['mean_prompt_chars']:.0f} | {lat['p50_ms']:.3f} | {lat['p90_ms']:.3f} | "
+                f"{lat['p99_ms']:.3f} | {lat['max_ms']:.3f} |"
+            )
+        out.append(f"\n{next(iter(runs.values()))['cpu']}.")
     notes = report.get("notes")
     if notes:
         out += ["", "## Method", "", *notes]

@@ -59,8 +59,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     report = evaluate_dataset(dataset, config, args.folds, args.random_folds, args.n_jobs)
     report["notes"] = method_notes(config)
     if args.bench_prompts:
+        from cascade.bench import synthetic_prompts
+        from cascade.features import request_view
+
         views = [e.view for e in dataset.examples]
-        report["latency"] = _latency(args.classifier, views, args.bench_prompts)
+        synthetic = [request_view(p) for p in synthetic_prompts(args.bench_prompts)]
+        report["latency"] = {
+            "dataset": _latency(args.classifier, views, args.bench_prompts),
+            "synthetic, 5-800 words": _latency(args.classifier, synthetic, args.bench_prompts),
+        }
     if args.out:
         write_report(report, Path(args.out))
     print(render_markdown(report).split("## Calibration")[0])

@@ -5,6 +5,8 @@ import logging
 import sys
 from pathlib import Path
 
+from cli.cascade_cmd import add_cascade_parser
+
 
 def _cmd_make_demo(args: argparse.Namespace) -> int:
     from workers.checkpoints import make_demo_checkpoints
@@ -238,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     rk = acts.add_parser("revoke-key")
     rk.add_argument("key_id")
     admin.set_defaults(func=_cmd_admin)
+
+    add_cascade_parser(sub)
 
     bench = sub.add_parser("bench", help="measured comparisons").add_subparsers(
         dest="target", required=True

@@ -110,7 +110,7 @@ def test_train_and_eval_cli_on_a_tiny_dataset(synthetic_csv: Path, tmp_path: Pat
     assert grouped["pooled"]["oracle"]["apgr"] >= grouped["pooled"]["classifier"]["apgr"]
     assert grouped["pooled"]["random"]["apgr"] == pytest.approx(0.5)
     assert grouped["pooled"]["classifier"]["apgr"] > 0.6  # long = hard is learnable
-    assert report["latency"]["num_prompts"] == 50
+    assert report["latency"]["dataset"]["num_prompts"] == 50
     assert (report_dir / "curve.png").stat().st_size > 10_000
     assert "prompt length" in (report_dir / "report.md").read_text()
 

@@ -1,6 +1,19 @@
 """Request features: deterministic, chat-aware, numbers folded."""
 
-from cascade.features import DENSE_FEATURE_NAMES, dense_features, request_view, text_tokens
+import math
+import re
+
+import pytest
+
+from cascade.features import (
+    DENSE_FEATURE_NAMES,
+    WINDOW_CHARS,
+    analyze,
+    dense_features,
+    request_view,
+    text_tokens,
+    text_window,
+)
 
 
 def test_features_are_deterministic_and_named() -> None:
@@ -42,3 +55,28 @@ def test_text_tokens_fold_numbers_and_add_bigrams() -> None:
     assert "<num>" in toks and "12" not in toks
     assert "add <num>" in toks and "!" in toks
     assert toks == text_tokens("Add 99 and 7!")
+
+
+def test_analyze_matches_the_training_functions() -> None:
+    for text in ["", "Ünïcode wörds_and 3.14 − 2 = x?", "IV. II III NOT ABC1 x-1 5 - 3\n1) a"]:
+        view = request_view(text, max_tokens=16)
+        assert analyze(view) == (dense_features(view), text_tokens(text))
+
+
+def test_word_counts_agree_with_the_word_regex() -> None:
+    text = "Ünïcode wörds_and 3.14, don't stop; ＡＢ 数学 x²"
+    i = DENSE_FEATURE_NAMES.index("log_words")
+    assert dense_features(request_view(text))[i] == math.log1p(len(re.findall(r"\w+", text)))
+
+
+def test_long_prompts_are_scanned_in_a_window_and_counted_in_full() -> None:
+    base = "Which of the following is true? " * 100  # 3,200 chars
+    long = base * 20
+    window, scale = text_window(long)
+    assert len(window) <= WINDOW_CHARS + 1 and scale == pytest.approx(len(long) / len(window))
+    short_f, long_f = dense_features(request_view(base)), dense_features(request_view(long))
+    i_chars = DENSE_FEATURE_NAMES.index("log_chars")
+    i_q = DENSE_FEATURE_NAMES.index("log_question_marks")
+    assert long_f[i_chars] == pytest.approx(math.log1p(len(long)))
+    assert long_f[i_q] == pytest.approx(math.log1p(2000), rel=0.01)  # 2,000 "?" in all
+    assert long_f[i_q] > short_f[i_q]
