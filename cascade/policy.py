@@ -46,6 +46,7 @@ class RoutingSettings:
 
     default_threshold: float = 0.5
     tenant_thresholds: dict[str, float] = field(default_factory=dict)
+    key_thresholds: dict[str, float] = field(default_factory=dict)  # by API key id
     default_target_fraction: float | None = None
     tenant_target_fractions: dict[str, float] = field(default_factory=dict)
     overflow_max_wait_s: float = 5.0
@@ -118,6 +119,15 @@ def settings_from_dict(raw: dict, known_tenants: set[str] | None = None) -> Rout
         if name in raw:
             table = _tenant_map(raw[name], name, known_tenants)
             setattr(s, name, {t: _number(v, f"{name}.{t}", 0.0, 1.0) for t, v in table.items()})
+    if "key_thresholds" in raw:
+        table = raw["key_thresholds"]
+        if not isinstance(table, dict) or not all(isinstance(k, str) and k for k in table):
+            raise InvalidRouting(
+                "key_thresholds must be an object keyed by key id", "key_thresholds"
+            )
+        s.key_thresholds = {
+            k: _number(v, f"key_thresholds.{k}", 0.0, 1.0) for k, v in table.items()
+        }
     if "overflow_max_wait_s" in raw:
         s.overflow_max_wait_s = _number(
             raw["overflow_max_wait_s"], "overflow_max_wait_s", 0.0, math.inf

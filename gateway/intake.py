@@ -57,6 +57,10 @@ def ratelimit_headers(state: RateLimitState | None) -> dict[str, str]:
 
 
 async def authenticate(gw: Gateway, request: Request) -> Tenant:
+    return (await authenticate_key(gw, request))[1]
+
+
+async def authenticate_key(gw: Gateway, request: Request) -> tuple[str | None, Tenant]:
     """The caller's tenant. While Redis is unreachable, only a key that authenticated in
     the last `known_key_ttl_s` is accepted (as it was then): never an unknown key."""
     header = request.headers.get("authorization", "")
@@ -71,7 +75,7 @@ async def authenticate(gw: Gateway, request: Request) -> Tenant:
     except Exception as exc:
         cached = gw.known_keys.get(digest)
         if cached is not None and time.monotonic() - cached[1] < gw.config.known_key_ttl_s:
-            return cached[0]
+            return cached[0]  # (key id, tenant) as last seen
         log.warning("key lookup failed and the key is not known: %r", exc)
         raise ApiError(
             503,
@@ -85,8 +89,8 @@ async def authenticate(gw: Gateway, request: Request) -> Tenant:
         raise ApiError(401, "invalid API key", code="invalid_api_key")
     if len(gw.known_keys) > 100_000:
         gw.known_keys.clear()
-    gw.known_keys[digest] = (found[1], time.monotonic())
-    return found[1]
+    gw.known_keys[digest] = ((found[0].key_id, found[1]), time.monotonic())
+    return found[0].key_id, found[1]
 
 
 def _int_field(body: dict[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
@@ -105,8 +109,14 @@ def _int_field(body: dict[str, Any], name: str, lo: int, hi: int | None = None) 
 
 
 def prepare(
-    gw: Gateway, tenant: Tenant, raw: bytes, chat: bool, timeout_header: str | None
+    gw: Gateway,
+    tenant: Tenant,
+    key_id: str | None,
+    raw: bytes,
+    chat: bool,
+    timeout_header: str | None,
 ) -> Prepared:
+    """Validate and price a request body; for `auto`, also decide its pool."""
     cfg = gw.config
     if len(raw) > cfg.max_body_bytes:
         raise ApiError(
@@ -168,7 +178,7 @@ def prepare(
         )
     decision = None
     if model == "auto" and gw.router is not None:
-        decision = _decide(gw, tenant, body, chat, max_tokens)
+        decision = _decide(gw, tenant, key_id, body, chat, max_tokens)
         pool, route = decision.pool, decision.route
         if chat:
             prompt_tokens = gw.counter.chat(pool, body["messages"])
@@ -232,7 +242,14 @@ def prepare(
     )
 
 
-def _decide(gw: Gateway, tenant: Tenant, body: dict[str, Any], chat: bool, max_tokens: int):
+def _decide(
+    gw: Gateway,
+    tenant: Tenant,
+    key_id: str | None,
+    body: dict[str, Any],
+    chat: bool,
+    max_tokens: int,
+):
     """The cascade's choice for an `auto` request, with the large pool's pressure."""
     router = gw.router
     large = gw.pools[router.large_pool]
@@ -249,4 +266,5 @@ def _decide(gw: Gateway, tenant: Tenant, body: dict[str, Any], chat: bool, max_t
         large.estimated_wait_s(),
         len(large.queue) >= large.queue_config.max_requests,
         request_threshold=threshold,
+        key_threshold=router.settings.key_thresholds.get(key_id) if key_id else None,
     )

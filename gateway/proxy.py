@@ -13,7 +13,7 @@ from cascade.policy import should_escalate
 from gateway.admission import Ticket
 from gateway.context import Gateway
 from gateway.errors import error_response, to_api_error
-from gateway.intake import Prepared, authenticate, prepare, ratelimit_headers
+from gateway.intake import Prepared, authenticate_key, prepare, ratelimit_headers
 from gateway.relay import Attempt, Dispatcher, WorkerRefused, relay_events
 from gateway.sse import EventStream
 from quota.limiter import Reservation
@@ -52,10 +52,12 @@ async def handle(gw: Gateway, request: Request, chat: bool) -> Response | EventS
 async def _handle(
     gw: Gateway, request: Request, chat: bool, labels: list[str]
 ) -> Response | EventStream:
-    tenant = await authenticate(gw, request)
+    key_id, tenant = await authenticate_key(gw, request)
     if gw.router is not None:
         await gw.router.refresh()
-    prep = prepare(gw, tenant, await request.body(), chat, request.headers.get("x-request-timeout"))
+    prep = prepare(
+        gw, tenant, key_id, await request.body(), chat, request.headers.get("x-request-timeout")
+    )
     labels[:] = [prep.pool, prep.route]
     cost = prep.prompt_tokens + prep.max_tokens
     reservation, state = await gw.limiter.reserve(tenant, prep.request_id, cost)

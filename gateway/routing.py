@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
 from cascade.classifier import DifficultyScorer
 from cascade.policy import (
     RoutingSettings,
@@ -21,7 +23,6 @@ from cascade.policy import (
     settings_to_dict,
     should_overflow,
 )
-from prometheus_client import CollectorRegistry, Counter, Histogram
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,7 @@ class Router:
         large_wait_s: float,
         large_queue_full: bool,
         request_threshold: float | None = None,
+        key_threshold: float | None = None,
     ) -> Decision:
         s = self.settings
         t0 = time.perf_counter()
@@ -160,7 +162,11 @@ class Router:
         self.metrics.latency.observe(time.perf_counter() - t0)
         self.metrics.score.observe(score)
         threshold = effective_threshold(
-            s, tenant_id, self.reference_scores, request_threshold=request_threshold
+            s,
+            tenant_id,
+            self.reference_scores,
+            key_threshold=key_threshold,
+            request_threshold=request_threshold,
         )
         pool = self.large_pool if route(score, threshold) == "large" else self.small_pool
         reason = "classifier"

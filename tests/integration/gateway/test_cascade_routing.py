@@ -234,3 +234,26 @@ def test_classifier_failure_routes_to_the_small_pool_and_is_counted(redis_url):
 
 def _router_of(s: Stack):
     return s.gateway.router
+
+
+def test_threshold_precedence_request_then_key_then_tenant_then_default(redis_url):
+    with gateway_stack(redis_url, **CASCADE) as s:
+        key = s.tenant("prec")
+        with s.admin() as a:
+            key_id = a.get("/admin/tenants/prec/keys").json()["data"][0]["key_id"]
+        settings = {"default_threshold": 0.0, "tenant_thresholds": {"prec": 1.0}}
+        assert put_routing(s, **settings).status_code == 200
+        time.sleep(0.15)
+        with s.client(key) as c:
+            assert (
+                c.post("/v1/completions", json=auto(HARD)).headers["x-switchyard-model"] == "small"
+            )
+            assert put_routing(s, **settings, key_thresholds={key_id: 0.0}).status_code == 200
+            time.sleep(0.15)
+            r = c.post("/v1/completions", json=auto(HARD))
+            assert (r.headers["x-switchyard-model"], r.headers["x-switchyard-threshold"]) == (
+                "large",
+                "0.0000",
+            )
+            r = c.post("/v1/completions", json=auto(HARD, switchyard_threshold=1.0))
+            assert r.headers["x-switchyard-model"] == "small"
