@@ -187,15 +187,17 @@ async def _open_loop(
                     res["refused"] += 1
                     res["no_retry_after"] += "retry-after" not in r.headers
                     return
+                first = True
                 async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
+                    # Read the whole stream: the request holds its worker slot until done.
+                    if first and line.startswith("data: {"):
+                        first = False
                         if '"error"' in line:
                             res["refused"] += 1
                             return
                         ttft = time.perf_counter() - t0
                         res["ttft"].append(ttft)
                         res["late"] += ttft > deadline_s
-                        return
 
         tasks = []
         start = time.perf_counter()
