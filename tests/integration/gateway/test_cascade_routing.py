@@ -1,16 +1,13 @@
 """`model: auto` through the gateway with real Redis: routing by score, runtime thresholds
 shared by gateway processes, overflow, escalation, and classifier failure."""
 
-import signal
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
-import yaml
 
 from tests.integration.gateway.conftest import ADMIN, Stack, gateway_stack
+from tests.support.servers import gateway_process
 from tests.support.worker import free_port
 
 CASCADE = {"cascade_small_pool": "small", "cascade_large_pool": "large"}
@@ -82,24 +79,7 @@ def test_a_threshold_change_reaches_another_gateway_process_within_a_second(redi
                 **CASCADE,
             }
         }
-        (tmp_path / "gw.yaml").write_text(yaml.safe_dump(cfg))
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "cli.main",
-                "gateway",
-                "--config",
-                str(tmp_path / "gw.yaml"),
-                "--port",
-                str(port),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        other = f"http://127.0.0.1:{port}"
-        try:
-            _wait_ready(other)
+        with gateway_process(cfg["gateway"], tmp_path, port) as other:
             headers = {"authorization": f"Bearer {key}"}
             assert put_routing(s, default_threshold=0.0).status_code == 200
             time.sleep(1.0)
@@ -113,21 +93,6 @@ def test_a_threshold_change_reaches_another_gateway_process_within_a_second(redi
                     break
                 assert time.monotonic() - changed_at < 1.0, "not applied within a second"
                 time.sleep(0.05)
-        finally:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(10)
-
-
-def _wait_ready(url: str) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} never became ready")
 
 
 def test_overflow_to_small_when_the_large_pool_is_saturated(redis_url):

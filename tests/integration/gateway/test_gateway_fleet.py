@@ -5,13 +5,11 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
+from contextlib import ExitStack
 
 import httpx
 import pytest
-import yaml
 
 from benchmarks.fake_backend import FakeBackend
 from cli.main import main as cli_main
@@ -21,7 +19,7 @@ from gateway.embedded_redis import EmbeddedRedis
 from gateway.process import build_gateway
 from quota.apikeys import format_key, new_key_id, new_secret
 from tests.integration.gateway.conftest import ADMIN, Stack, gateway_stack
-from tests.support.servers import serving
+from tests.support.servers import gateway_process, serving
 from tests.support.worker import free_port, running_worker
 
 BODY = {"model": "small", "prompt": [5, 6, 7, 8], "max_tokens": 6}
@@ -204,28 +202,10 @@ def test_two_gateway_processes_never_admit_more_than_the_limit(redis_url, tmp_pa
                 "queue_max_requests": 4096,
             }
         }
-        (tmp_path / "gw.yaml").write_text(yaml.safe_dump(cfg))
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "cli.main",
-                    "gateway",
-                    "--config",
-                    str(tmp_path / "gw.yaml"),
-                    "--port",
-                    str(p),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            for p in ports
-        ]
-        try:
-            urls = [f"http://127.0.0.1:{p}" for p in ports]
-            for u in urls:
-                _wait(u)
+        with ExitStack() as procs:
+            urls = [
+                procs.enter_context(gateway_process(cfg["gateway"], tmp_path, p)) for p in ports
+            ]
             s = Stack(urls[0], {}, {}, redis_url)
             # The day budget: the same all-or-nothing script as the minute window, without a
             # window rolling over in the middle of the burst.
@@ -233,27 +213,10 @@ def test_two_gateway_processes_never_admit_more_than_the_limit(redis_url, tmp_pa
             codes = asyncio.run(_burst(urls, key, 300))
             time.sleep(0.3)  # reconciles run after the responses
             usage = s.usage(key)
-        finally:
-            for p in procs:
-                p.send_signal(signal.SIGINT)
-            for p in procs:
-                p.wait(10)
     assert codes.count(200) == limit // cost
     assert codes.count(429) == 300 - limit // cost
     assert backend.total == limit // cost
     assert usage["tokens_today"] == limit // cost * cost
-
-
-def _wait(url: str) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} never became ready")
 
 
 async def _burst(urls: list[str], key: str, n: int) -> list[int]:
