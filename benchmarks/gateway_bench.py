@@ -3,9 +3,6 @@ alone, in one run: added latency, throughput, relay delay, overload and fairness
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -17,8 +14,8 @@ import httpx
 import yaml
 from tqdm import tqdm
 
+from benchmarks.processes import child_process, free_port, wait_http
 from benchmarks.stats import markdown_table, percentile, write_report
-from benchmarks.worker_bench import _free_port
 
 ADMIN = "bench-admin"
 BODY = {"model": "small", "prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 4}
@@ -31,38 +28,10 @@ class GatewayBenchOptions:
     overload_s: float = 60.0
 
 
-def _wait_http(url: str, path: str = "/health", timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + path, timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url}{path} never answered")
-
-
-@contextmanager
-def _process(cmd: list[str], log_path: Path):
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-        )
-        try:
-            yield proc
-        finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
 @contextmanager
 def bench_stack(tmp: Path, redis_url: str, token_delay_s: float = 0.0, **gateway_cfg):
     """A fake backend and a gateway process in front of it; yields (gateway, backend) URLs."""
-    bport, gport = _free_port(), _free_port()
+    bport, gport = free_port(), free_port()
     backend = f"http://127.0.0.1:{bport}"
     cfg = {
         "pools": {"small": [backend]},
@@ -75,7 +44,7 @@ def bench_stack(tmp: Path, redis_url: str, token_delay_s: float = 0.0, **gateway
     cfg_path.write_text(yaml.safe_dump({"gateway": cfg}))
     with ExitStack() as stack:
         stack.enter_context(
-            _process(
+            child_process(
                 [
                     sys.executable,
                     "-m",
@@ -88,9 +57,9 @@ def bench_stack(tmp: Path, redis_url: str, token_delay_s: float = 0.0, **gateway
                 tmp / "backend.log",
             )
         )
-        _wait_http(backend)
+        wait_http(backend)
         stack.enter_context(
-            _process(
+            child_process(
                 [
                     sys.executable,
                     "-m",
@@ -105,7 +74,7 @@ def bench_stack(tmp: Path, redis_url: str, token_delay_s: float = 0.0, **gateway
             )
         )
         gateway = f"http://127.0.0.1:{gport}"
-        _wait_http(gateway, "/ready")
+        wait_http(gateway, "/ready")
         yield gateway, backend
 
 

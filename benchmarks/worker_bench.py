@@ -4,9 +4,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -17,15 +14,10 @@ import yaml
 from tqdm import tqdm
 
 from benchmarks.engine_bench import BenchOptions, _run_child, make_bench_checkpoint, make_workload
+from benchmarks.processes import child_process, free_port, wait_http
 from benchmarks.stats import latency_summary, markdown_table, percentile, write_report
 
 log = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _engine_section(work: list[tuple[list[int], int]], budget: int) -> dict:
@@ -97,7 +89,7 @@ async def _drive_http(url: str, work: list[tuple[list[int], int]]) -> dict:
 def run_http(
     ckpt: Path, work: list[tuple[list[int], int]], budget: int, tmp: Path, probe: list[list[int]]
 ) -> dict:
-    port = _free_port()
+    port = free_port()
     cfg = tmp / "worker.yaml"
     cfg.write_text(
         yaml.safe_dump(
@@ -121,30 +113,13 @@ def run_http(
         "--served-model-name",
         "bench",
     ]
-    logf = open(tmp / "worker.log", "w")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None:
-                raise RuntimeError(f"worker exited: {(tmp / 'worker.log').read_text()[-2000:]}")
-            time.sleep(0.2)
+    log_path = tmp / "worker.log"
+    with child_process(cmd, log_path) as proc:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url, "/ready", proc=proc, log_path=log_path)
         out = asyncio.run(_drive_http(url, work))
         out["unloaded"] = asyncio.run(_probe_http(url, probe, 8))
         return out
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        logf.close()
 
 
 def run_worker_bench(opts: BenchOptions) -> dict:
