@@ -18,15 +18,17 @@ def _cmd_make_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from workers.config import EngineConfig
+    from workers.config import EngineConfig, SchedulerConfig
     from workers.engine import LLMEngine
     from workers.errors import EngineError
     from workers.sampling_params import SamplingParams
 
     try:
-        engine = LLMEngine.from_pretrained(
-            args.model, EngineConfig(dtype=args.dtype, device=args.device)
+        # One prompt: size the KV cache and decode workspace for a handful of sequences.
+        config = EngineConfig(
+            dtype=args.dtype, device=args.device, scheduler=SchedulerConfig(max_num_seqs=4)
         )
+        engine = LLMEngine.from_pretrained(args.model, config)
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
