@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks.stats import markdown_table, write_report
+from benchmarks.stats import LATENCY_COLUMNS, markdown_table, write_report
 
 log = logging.getLogger(__name__)
 
@@ -154,11 +154,7 @@ def _throughput_section(results: dict[str, dict], opts: BenchOptions, data: dict
     ]
     cols = [
         ("system", "system"),
-        ("tokens_per_s", "output tok/s"),
-        ("ttft_p50_ms", "TTFT p50 ms"),
-        ("ttft_p99_ms", "TTFT p99 ms"),
-        ("itl_p50_ms", "ITL p50 ms"),
-        ("itl_p99_ms", "ITL p99 ms"),
+        *LATENCY_COLUMNS,
         ("peak_rss_mib", "peak RSS MiB"),
     ]
     speed = {"vs_generate": _ratio(sy, hg), "vs_generate_batch": _ratio(sy, hb)}

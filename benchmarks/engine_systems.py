@@ -36,7 +36,7 @@ def _params(max_tokens: int):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def _drive(engine, t0: float, times: dict[str, list[float]]) -> None:
+def _drive(engine, times: dict[str, list[float]]) -> None:
     """Step until idle, stamping each new token with the wall time of its step."""
     while engine.has_unfinished_requests():
         outs = engine.step()
@@ -69,7 +69,7 @@ def run_switchyard(spec: dict) -> dict:
     for i, (prompt, n) in enumerate(work):
         engine.add_request(f"r{i}", prompt_token_ids=prompt, params=_params(n))
     times: dict[str, list[float]] = {}
-    _drive(engine, t0, times)
+    _drive(engine, times)
     out = _timing_summary(t0, times, time.perf_counter() - t0)
     out["num_preemptions"] = engine.scheduler.num_preemptions
     return out
@@ -240,7 +240,7 @@ def run_prefix(spec: dict) -> dict:
                 f"p{i}", prompt_token_ids=prefix + s, params=_params(spec["max_tokens"])
             )
         times: dict[str, list[float]] = {}
-        _drive(engine, t0, times)
+        _drive(engine, times)
         summary = _timing_summary(t0, times, time.perf_counter() - t0)
         summary["prefill_tokens_computed"] = engine.num_prompt_tokens_computed - computed_before
         summary["prompt_tokens"] = sum(len(prefix) + len(s) for s in suffixes)
@@ -272,7 +272,7 @@ def run_chunked(spec: dict) -> dict:
                 times.setdefault(o.request_id, []).append(now)
         arrival = time.perf_counter()
         engine.add_request("long", prompt_token_ids=spec["long_prompt"], params=_params(4))
-        _drive(engine, arrival, times)
+        _drive(engine, times)
         gaps = [
             b - a
             for rid, ts in times.items()

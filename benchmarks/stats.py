@@ -26,6 +26,16 @@ def latency_summary(ttft_s: Sequence[float], itl_s: Sequence[float]) -> dict[str
     }
 
 
+# Columns shared by every table of streaming latency: (result key, header).
+LATENCY_COLUMNS = [
+    ("tokens_per_s", "output tok/s"),
+    ("ttft_p50_ms", "TTFT p50 ms"),
+    ("ttft_p99_ms", "TTFT p99 ms"),
+    ("itl_p50_ms", "ITL p50 ms"),
+    ("itl_p99_ms", "ITL p99 ms"),
+]
+
+
 def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
     """A markdown table of `rows`; columns are (key, header) pairs."""
 

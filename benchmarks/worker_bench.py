@@ -15,7 +15,13 @@ from tqdm import tqdm
 
 from benchmarks.engine_bench import BenchOptions, _run_child, make_bench_checkpoint, make_workload
 from benchmarks.processes import child_process, free_port, wait_http
-from benchmarks.stats import latency_summary, markdown_table, percentile, write_report
+from benchmarks.stats import (
+    LATENCY_COLUMNS,
+    latency_summary,
+    markdown_table,
+    percentile,
+    write_report,
+)
 
 log = logging.getLogger(__name__)
 
@@ -161,11 +167,7 @@ def run_worker_bench(opts: BenchOptions) -> dict:
     ]
     cols = [
         ("system", "system"),
-        ("tokens_per_s", "output tok/s"),
-        ("ttft_p50_ms", "TTFT p50 ms"),
-        ("ttft_p99_ms", "TTFT p99 ms"),
-        ("itl_p50_ms", "ITL p50 ms"),
-        ("itl_p99_ms", "ITL p99 ms"),
+        *LATENCY_COLUMNS,
         ("unloaded_ttft", "unloaded TTFT p50 ms"),
     ]
     md = "\n".join(

@@ -15,9 +15,8 @@ from gateway.context import Gateway
 from gateway.errors import error_response, to_api_error
 from gateway.intake import Prepared, authenticate_key, prepare, ratelimit_headers
 from gateway.relay import Attempt, Dispatcher, WorkerRefused, relay_events
-from gateway.sse import EventStream
 from quota.limiter import Reservation
-from workers.api import ApiError
+from workers.api import ApiError, EventStream
 
 log = logging.getLogger(__name__)
 

@@ -9,6 +9,7 @@ import re
 from typing import Any, Literal
 
 import msgspec
+from litestar.response import Stream
 
 WorkerState = Literal["loading", "ready", "draining", "stalled"]
 
@@ -43,6 +44,15 @@ class ApiError(Exception):
                 "code": self.code,
             }
         }
+
+
+class EventStream(Stream):
+    """An SSE response. Litestar lets the handler's default media type win over a
+    response's own, so this one insists on text/event-stream."""
+
+    def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["media_type"] = "text/event-stream"
+        return super().to_asgi_response(*args, **kwargs)
 
 
 class StreamOptions(msgspec.Struct, omit_defaults=True):

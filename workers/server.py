@@ -15,10 +15,15 @@ from typing import Any
 import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
-from litestar.response import Stream
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from workers.api import ApiError, ChatCompletionRequest, CompletionRequest, decode_request
+from workers.api import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EventStream,
+    decode_request,
+)
 from workers.async_engine import AsyncEngine, EngineDeadError
 from workers.engine import RequestOutput
 from workers.errors import InvalidRequestError
@@ -29,15 +34,6 @@ from workers.service import WorkerService
 log = logging.getLogger(__name__)
 
 _DONE = b"data: [DONE]\n\n"
-
-
-class EventStream(Stream):
-    """An SSE response: Litestar lets the handler's default media type win over a
-    response's own, so this one insists on text/event-stream."""
-
-    def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
-        kwargs["media_type"] = "text/event-stream"
-        return super().to_asgi_response(*args, **kwargs)
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
