@@ -128,6 +128,7 @@ class LoadReport(msgspec.Struct):
     output_tokens_per_s: float  # over the last few seconds
     model: str
     max_model_len: int
+    vocab_size: int | None = None  # token ids must be below it; None: unknown (external server)
 
 
 _PATH = re.compile(r"at `\$\.?([A-Za-z_][\w]*)")
