@@ -8,7 +8,20 @@ Layout:
     sy:apikey:{key_id}                JSON key record (salted hash, never the plaintext)
     sy:{t}:tpm:<minute>  sy:{t}:tpd:<day>  sy:{t}:rpm:<minute>   counters, with TTLs
     sy:{t}:conc                       sorted set: request id -> lease expiry (server ms)
-    sy:{t}:pending:<request_id>       exists from reserve until its first reconcile
+    sy:{t}:pending:<request_id>       hash {owner, tokens, minute, day}: from reserve until its
+                                      first reconcile (or until a sweep of its dead owner)
+    sy:{t}:swept:<request_id>         the pending hash, moved there by a sweep: a late reconcile
+                                      still applies its delta, once
+    sy:{t}:charged:<request_id>       done marker of an unchecked (fail-open) charge
+    sy:owners                         sorted set: owner id -> last heartbeat (server ms)
+    sy:owner:{o}                      an owner's (gateway's) heartbeat, with a TTL of seconds
+    sy:owner:{o}:pending              sorted set of "<tenant>|<request id>" the owner reserved
+                                      and has not reconciled -> reserve time (server ms)
+
+The two owner keys carry the owner's hash tag, not a tenant's: reserve.lua and reconcile.lua
+touch the owner's index in the same call as the tenant's keys, so on Redis Cluster they would
+be cross-slot. Switchyard runs against one Redis (embedded or a primary); a cluster deployment
+would move the index writes out of the scripts (index before reserve, remove after reconcile).
 """
 
 TENANTS = "sy:tenants"
@@ -48,3 +61,32 @@ def concurrency(tenant_id: str) -> str:
 
 def pending(tenant_id: str, request_id: str) -> str:
     return f"{tenant_prefix(tenant_id)}pending:{request_id}"
+
+
+def swept(tenant_id: str, request_id: str) -> str:
+    return f"{tenant_prefix(tenant_id)}swept:{request_id}"
+
+
+def charged(tenant_id: str, request_id: str) -> str:
+    return f"{tenant_prefix(tenant_id)}charged:{request_id}"
+
+
+OWNERS = "sy:owners"
+
+
+def owner_heartbeat(owner_id: str) -> str:
+    return f"sy:owner:{{{owner_id}}}"
+
+
+def owner_pending(owner_id: str) -> str:
+    return f"sy:owner:{{{owner_id}}}:pending"
+
+
+def pending_member(tenant_id: str, request_id: str) -> str:
+    """A member of an owner's pending index. Tenant ids never contain "|" (TENANT_ID_RE)."""
+    return f"{tenant_id}|{request_id}"
+
+
+def split_pending_member(member: str) -> tuple[str, str]:
+    tenant_id, _, request_id = member.partition("|")
+    return tenant_id, request_id

@@ -9,7 +9,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import resources
 
 import redis.asyncio
 from prometheus_client import CollectorRegistry, Counter
@@ -18,11 +17,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from quota import keyspace
 from quota.errors import QuotaUnavailable
+from quota.journal import ReconcileJournal, Settlement
 from quota.models import Tenant
 from quota.policy import (
-    DAY_TTL_S,
-    MINUTE_TTL_S,
-    PENDING_TTL_S,
     STATUS_ADMITTED,
     STATUS_STALE_WINDOWS,
     UNAVAILABLE_RETRY_AFTER_S,
@@ -31,13 +28,12 @@ from quota.policy import (
     ReserveReply,
     Windows,
     exceeded_error,
-    limit_arg,
-    parse_reserve_reply,
     rate_limit_state,
     unavailable_decisions,
     unlimited_state,
     windows_at,
 )
+from quota.scripts import QuotaScripts
 
 __all__ = ["FailurePolicy", "QuotaLimiter", "RateLimitState", "Reservation"]
 
@@ -45,10 +41,6 @@ log = logging.getLogger(__name__)
 
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 _RESERVE_ATTEMPTS = 3  # a stale-window retry twice in a row needs two window rolls
-
-
-def _script(name: str) -> str:
-    return resources.files("quota").joinpath("lua", name).read_text()
 
 
 @dataclass
@@ -63,17 +55,23 @@ class Reservation:
     holds_slot: bool = False  # took a concurrency slot
     checked: bool = True  # False: Redis was down and every limit class failed open
     reconciled: bool = False  # set by reconcile; a second reconcile does nothing
+    owner_id: str | None = None  # the gateway whose pending index holds it; None: not indexed
 
 
 class QuotaLimiter:
     """Reserves and reconciles tokens against a tenant's limits in Redis.
 
-    `redis` should fail fast (small socket timeouts, few retries): while Redis is unreachable,
-    `reserve` waits for the client's retries before the failure policy applies. `registry`:
-    where the Prometheus counters go (None: a private registry, nothing exported).
-    `concurrency_lease_s`: a slot not released by reconcile frees itself after this long (a
-    crashed gateway cannot leak slots); a request running longer loses its slot. `clock` (unix
+    `redis`: a client from `quota.connection.make_redis` (bounded retries): while Redis is
+    unreachable, `reserve` waits for the client's retries before the failure policy applies.
+    `registry`: where the Prometheus counters go (None: a private registry, nothing exported).
+    `concurrency_lease_s`: a slot not released by reconcile frees itself after this long, the
+    last resort when no sweeper runs; a request running longer loses its slot. `clock` (unix
     seconds) only guesses the server's windows; the server's own clock decides.
+    `owner_id`: this gateway's id (see `quota.sweeper`): reservations are indexed under it so
+    a sweeper settles them if this gateway dies; None: not indexed (slots wait for the lease).
+    `journal`: where settlements Redis could not take go, for the sweeper to apply; None: such
+    a reconcile is lost (counted) and an unchecked request is charged only if Redis is back by
+    its reconcile.
     """
 
     def __init__(
@@ -84,17 +82,22 @@ class QuotaLimiter:
         concurrency_lease_s: float = 600.0,
         *,
         clock: Callable[[], float] = time.time,
+        owner_id: str | None = None,
+        journal: ReconcileJournal | None = None,
     ) -> None:
         if concurrency_lease_s <= 0:
             raise ValueError("concurrency_lease_s must be positive")
+        if owner_id is not None and (not owner_id or "|" in owner_id or "}" in owner_id):
+            raise ValueError("owner_id must be non-empty, without '|' or '}'")
         self._redis = redis
         self._policy = policy or FailurePolicy()
         self._lease_ms = int(concurrency_lease_s * 1000)
         self._clock = clock
         self._offset_s = 0.0  # server clock - local clock, learnt from each reply
         self._redis_down = False
-        self._reserve = redis.register_script(_script("reserve.lua"))
-        self._reconcile = redis.register_script(_script("reconcile.lua"))
+        self.owner_id = owner_id
+        self.journal = journal
+        self.scripts = QuotaScripts(redis)
         registry = registry if registry is not None else CollectorRegistry()
         self._redis_errors = Counter(
             "switchyard_gateway_quota_redis_errors",
@@ -105,7 +108,15 @@ class QuotaLimiter:
         )
         self._reconcile_errors = Counter(
             "switchyard_gateway_quota_reconcile_errors",
-            "Reconciles lost to an unreachable Redis (the reservation stays charged)",
+            "Reconciles that met an unreachable Redis (journaled if there is a journal, else "
+            "lost: the reservation stays charged)",
+            registry=registry,
+        )
+        self._journaled = Counter(
+            "switchyard_gateway_quota_journaled",
+            "Settlements written to the journal for the sweeper, by kind (checked: a reconcile "
+            "Redis could not take; unchecked: a request admitted while Redis was unreachable)",
+            ["kind"],
             registry=registry,
         )
 
@@ -113,60 +124,58 @@ class QuotaLimiter:
         self, tenant: Tenant, request_id: str, tokens: int
     ) -> tuple[Reservation, RateLimitState]:
         """Charge `tokens` (prompt + max_tokens) and one request to every window of the tenant,
-        and take a concurrency slot if it has max_concurrent: all or nothing.
+        and take a concurrency slot if it has max_concurrent: all or nothing. Calling it again
+        with the same request id (before its reconcile) charges nothing more.
 
         Raises QuotaExceeded (nothing charged) or, with Redis unreachable and a limited class
         failing closed, QuotaUnavailable. Failing open gives `checked=False` and a state of
-        Nones. Every reservation must be reconciled, even at 0 tokens, to free its slot.
+        Nones (journaled, so it is charged even if this gateway dies). Every reservation must
+        be reconciled, even at 0 tokens, to free its slot.
         """
         if tokens < 0:
             raise ValueError("tokens must be >= 0")
         try:
-            reply, windows = await self._run_reserve(tenant, request_id, tokens)
+            reply = await self._run_reserve(tenant, request_id, tokens)
         except REDIS_DOWN as exc:
             self._note_down(exc)
             return self._reserve_unchecked(tenant, request_id, tokens)
         self._note_up()
         if reply.status != STATUS_ADMITTED:
             raise exceeded_error(tenant.limits, reply)
+        assert reply.windows is not None
         reservation = Reservation(
             tenant_id=tenant.tenant_id,
             request_id=request_id,
             tokens=tokens,
-            minute=windows.minute,
-            day=windows.day,
+            minute=reply.windows.minute,
+            day=reply.windows.day,
             holds_slot=tenant.limits.max_concurrent is not None,
+            owner_id=self.owner_id,
         )
         return reservation, rate_limit_state(tenant.limits, reply)
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int) -> None:
         """Correct the windows the reservation was charged to by (actual - reserved), clamped at
-        zero, and release its concurrency slot. Idempotent: only the first call acts. Never
-        raises for an unreachable Redis (logged and counted; the reservation stays charged and
-        its slot frees at lease end). An unchecked reservation charges `actual_tokens` to the
-        current windows instead, so usage during an outage is not lost."""
+        zero, and release its concurrency slot. Idempotent: only the first call acts, here and
+        in Redis. Never raises for an unreachable Redis: the settlement goes to the journal
+        (the sweeper applies it, once, when Redis is back) or, without one, is lost (counted;
+        the reservation stays charged, its slot frees at lease end). An unchecked reservation
+        charges `actual_tokens` to the current windows instead, once."""
         if reservation.reconciled:
             return
-        tid, rid = reservation.tenant_id, reservation.request_id
-        actual = max(0, int(actual_tokens))
-        if reservation.checked and reservation.minute is not None and reservation.day is not None:
-            windows = Windows(reservation.minute, reservation.day)
-            delta, once = actual - reservation.tokens, "1"
-        else:
-            windows, delta, once = self._guess_windows(), actual, "0"
-        keys = [
-            keyspace.tokens_minute(tid, windows.minute),
-            keyspace.tokens_day(tid, windows.day),
-            keyspace.concurrency(tid),
-            keyspace.pending(tid, rid),
-        ]
+        settlement = self._settlement(reservation, max(0, int(actual_tokens)))
         try:
-            await self._reconcile(keys, [delta, once, rid, MINUTE_TTL_S, DAY_TTL_S])
+            await self.scripts.settle(settlement)
         except REDIS_DOWN as exc:
             self._note_down(exc)
             self._reconcile_errors.inc()
+            if self.journal is not None:
+                self._journal(settlement)
+                reservation.reconciled = True
             return
         self._note_up()
+        if self.journal is not None and not settlement.checked:
+            self.journal.done(settlement.request_id)  # its admission-time record
         reservation.reconciled = True
 
     async def usage(self, tenant_id: str) -> dict[str, int]:
@@ -192,37 +201,21 @@ class QuotaLimiter:
             "concurrent_requests": int(conc),
         }
 
-    async def _run_reserve(
-        self, tenant: Tenant, request_id: str, tokens: int
-    ) -> tuple[ReserveReply, Windows]:
-        tid, limits = tenant.tenant_id, tenant.limits
+    async def _run_reserve(self, tenant: Tenant, request_id: str, tokens: int) -> ReserveReply:
         windows = self._guess_windows()
         for _ in range(_RESERVE_ATTEMPTS):
-            keys = [
-                keyspace.tokens_minute(tid, windows.minute),
-                keyspace.tokens_day(tid, windows.day),
-                keyspace.requests_minute(tid, windows.minute),
-                keyspace.concurrency(tid),
-                keyspace.pending(tid, request_id),
-            ]
-            args = [
-                windows.minute,
-                windows.day,
-                tokens,
-                limit_arg(limits.tokens_per_minute),
-                limit_arg(limits.tokens_per_day),
-                limit_arg(limits.requests_per_minute),
-                limit_arg(limits.max_concurrent),
+            reply = await self.scripts.reserve(
+                tenant.tenant_id,
+                tenant.limits,
                 request_id,
+                tokens,
+                windows,
                 self._lease_ms,
-                MINUTE_TTL_S,
-                DAY_TTL_S,
-                PENDING_TTL_S,
-            ]
-            reply = parse_reserve_reply(await self._reserve(keys, args))
+                self.owner_id,
+            )
             self._offset_s = reply.server_now_s - self._clock()
             if reply.status != STATUS_STALE_WINDOWS:
-                return reply, windows
+                return reply
             windows = windows_at(reply.server_now_s)
         raise RuntimeError("the reserve script kept reporting stale windows")
 
@@ -235,7 +228,26 @@ class QuotaLimiter:
         closed = [cls for cls, decision in decisions.items() if decision == "closed"]
         if closed:
             raise QuotaUnavailable(UNAVAILABLE_RETRY_AFTER_S, limit_class=closed[0])
-        return Reservation(tenant.tenant_id, request_id, tokens, checked=False), unlimited_state()
+        reservation = Reservation(tenant.tenant_id, request_id, tokens, checked=False)
+        if self.journal is not None:  # charged the reservation if we die before reconcile
+            self._journal(self._settlement(reservation, tokens, final=False))
+        return reservation, unlimited_state()
+
+    def _settlement(
+        self, reservation: Reservation, actual: int, *, final: bool = True
+    ) -> Settlement:
+        r = reservation
+        if r.checked and r.minute is not None and r.day is not None:
+            return Settlement(
+                r.tenant_id, r.request_id, True, r.minute, r.day, actual - r.tokens, r.owner_id
+            )
+        w = self._guess_windows()
+        return Settlement(r.tenant_id, r.request_id, False, w.minute, w.day, actual, final=final)
+
+    def _journal(self, settlement: Settlement) -> None:
+        assert self.journal is not None
+        self.journal.put(settlement)
+        self._journaled.labels(kind="checked" if settlement.checked else "unchecked").inc()
 
     def _guess_windows(self) -> Windows:
         return windows_at(self._clock() + self._offset_s)

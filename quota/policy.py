@@ -74,6 +74,7 @@ class ReserveReply:
     requests_minute: int = 0
     num_concurrent: int = 0
     fail_mask: int = 0
+    windows: Windows | None = None  # the windows charged when admitted (None: stale windows)
 
 
 def windows_at(now_s: float) -> Windows:
@@ -91,8 +92,9 @@ def limit_arg(limit: int | None) -> str:
 
 
 def parse_reserve_reply(reply: list[int]) -> ReserveReply:
-    status, sec, usec, *counts = (int(x) for x in reply)
-    return ReserveReply(status, sec + usec / 1e6, *counts)
+    status, sec, usec, *rest = (int(x) for x in reply)
+    windows = Windows(rest[5], rest[6]) if len(rest) >= 7 else None
+    return ReserveReply(status, sec + usec / 1e6, *rest[:5], windows=windows)
 
 
 def refused_kinds(fail_mask: int) -> list[str]:

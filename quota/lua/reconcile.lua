@@ -1,23 +1,43 @@
--- reconcile.lua: settle a reservation to the tokens actually used, once.
--- KEYS are the windows the reservation was charged to, never the current ones, so a
--- reconcile after a window rolled over corrects the old window.
+-- reconcile.lua: settle one request to the tokens it actually used, exactly once.
+-- KEYS are the windows the request was charged to, never the current ones, so a reconcile
+-- after a window rolled over corrects the old window. KEYS[1..6] carry the tenant's hash
+-- tag {t}; KEYS[7] is the owner's (see quota/keyspace.py).
 --
--- KEYS[1] tokens-per-minute counter of the reservation's minute  sy:{t}:tpm:<minute>
--- KEYS[2] tokens-per-day counter of the reservation's day        sy:{t}:tpd:<day>
--- KEYS[3] concurrency sorted set                                 sy:{t}:conc
--- KEYS[4] the reservation's pending marker                       sy:{t}:pending:<request id>
--- ARGV[1] token delta: actual - reserved (may be negative)
--- ARGV[2] "1": act only if the pending marker exists, and delete it (idempotence);
---         "0": act regardless (a reservation made while Redis was down has no marker)
+-- KEYS[1] tokens-per-minute counter of the request's minute  sy:{t}:tpm:<minute>
+-- KEYS[2] tokens-per-day counter of the request's day        sy:{t}:tpd:<day>
+-- KEYS[3] concurrency sorted set                             sy:{t}:conc
+-- KEYS[4] the reservation's pending marker                   sy:{t}:pending:<request id>
+-- KEYS[5] the marker as a sweep left it                      sy:{t}:swept:<request id>
+-- KEYS[6] done marker of an unchecked charge                 sy:{t}:charged:<request id>
+-- KEYS[7] the owner's pending index                          sy:owner:{o}:pending
+-- ARGV[1] token delta: actual - reserved (may be negative); for "unchecked", actual
+-- ARGV[2] "checked": a reservation made by reserve.lua. It acts if its pending marker exists
+--           (and releases the slot) or, once its owner was swept as dead, if the swept
+--           marker does (the slot is already free); either marker is deleted.
+--         "unchecked": a request admitted while Redis was unreachable (it has no marker). It
+--           acts only if it can create the done marker KEYS[6] (SET NX), so a replay after
+--           a lost reply or a crash charges once.
 -- ARGV[3] request id (the concurrency member to release)
 -- ARGV[4] TTL of a minute counter created here, s
 -- ARGV[5] TTL of a day counter created here, s
+-- ARGV[6] TTL of the done marker, s
+-- ARGV[7] index member "<tenant>|<request id>" to drop from KEYS[7] ("" = not indexed)
 --
--- Returns 1 when applied, 0 when the reservation was already reconciled (nothing done).
+-- Returns 1 when applied, 0 when it was already settled (nothing done).
 -- Counters are clamped at zero; a lowered counter that has already expired stays absent.
 
-if ARGV[2] == '1' and redis.call('DEL', KEYS[4]) == 0 then
-  return 0
+if ARGV[7] ~= '' then redis.call('ZREM', KEYS[7], ARGV[7]) end
+
+if ARGV[2] == 'checked' then
+  if redis.call('DEL', KEYS[4]) == 1 then
+    redis.call('ZREM', KEYS[3], ARGV[3])
+  elseif redis.call('DEL', KEYS[5]) == 0 then
+    return 0
+  end
+elseif ARGV[2] == 'unchecked' then
+  if not redis.call('SET', KEYS[6], '1', 'NX', 'EX', ARGV[6]) then return 0 end
+else
+  return redis.error_reply('reconcile.lua: unknown mode ' .. tostring(ARGV[2]))
 end
 
 local delta = tonumber(ARGV[1])
@@ -35,5 +55,4 @@ end
 
 adjust(KEYS[1], ARGV[4])
 adjust(KEYS[2], ARGV[5])
-redis.call('ZREM', KEYS[3], ARGV[3])
 return 1

@@ -1,11 +1,14 @@
 -- reserve.lua: check one request against a tenant's limits and charge it, all or nothing,
--- on the Redis server clock. Every key carries the tenant's hash tag {t}.
+-- on the Redis server clock. KEYS[1..5] carry the tenant's hash tag {t}; KEYS[6] is the
+-- owner's (see quota/keyspace.py). Sending it twice charges once: a reservation whose
+-- pending marker exists is reported again, not charged again (a retry after a lost reply).
 --
 -- KEYS[1]  tokens-per-minute counter    sy:{t}:tpm:<minute>
 -- KEYS[2]  tokens-per-day counter       sy:{t}:tpd:<day>
 -- KEYS[3]  requests-per-minute counter  sy:{t}:rpm:<minute>
 -- KEYS[4]  concurrency sorted set       sy:{t}:conc  (member: request id, score: lease end ms)
--- KEYS[5]  pending marker               sy:{t}:pending:<request id>
+-- KEYS[5]  pending marker (hash)        sy:{t}:pending:<request id>
+-- KEYS[6]  the owner's pending index     sy:owner:{o}:pending (unused when ARGV[13] is "")
 -- ARGV[1]  minute index KEYS were built for: floor(unix_s / 60)
 -- ARGV[2]  day index KEYS were built for: floor(unix_s / 86400)
 -- ARGV[3]  tokens to reserve
@@ -17,11 +20,14 @@
 -- ARGV[9]  concurrency lease, ms
 -- ARGV[10] TTL of minute counters, s
 -- ARGV[11] TTL of day counters, s
--- ARGV[12] TTL of the pending marker, s
+-- ARGV[12] TTL of the pending marker and of the owner's index, s
+-- ARGV[13] owner id: the gateway that will reconcile ("" = none: not indexed)
+-- ARGV[14] index member "<tenant>|<request id>"
 --
 -- Returns {status, server_s, server_us, tokens_minute, tokens_day, requests_minute,
---          num_concurrent, fail_mask}
---   status  1: admitted; every window charged; counts are after the charge.
+--          num_concurrent, fail_mask, minute, day}
+--   status  1: admitted; every window charged; counts are after the charge; minute and day
+--              are the windows charged (a repeated call: those of the first call).
 --   status  0: refused; nothing charged; counts are before; fail_mask bits:
 --              1 tokens/minute, 2 tokens/day, 4 requests/minute, 8 concurrency.
 --   status -1: ARGV[1..2] are not the server's current windows (a window rolled or the
@@ -30,6 +36,14 @@
 
 local t = redis.call('TIME')
 local sec, usec = tonumber(t[1]), tonumber(t[2])
+
+local held = redis.call('HMGET', KEYS[5], 'minute', 'day')
+if held[1] then
+  return {1, sec, usec, tonumber(redis.call('GET', KEYS[1]) or 0),
+          tonumber(redis.call('GET', KEYS[2]) or 0), tonumber(redis.call('GET', KEYS[3]) or 0),
+          redis.call('ZCARD', KEYS[4]), 0, tonumber(held[1]), tonumber(held[2])}
+end
+
 if math.floor(sec / 60) ~= tonumber(ARGV[1]) or math.floor(sec / 86400) ~= tonumber(ARGV[2]) then
   return {-1, sec, usec}
 end
@@ -58,7 +72,7 @@ if tpd and used_tpd + tokens > tpd then mask = mask + 2 end
 if rpm and used_rpm + 1 > rpm then mask = mask + 4 end
 if max_conc and num_conc + 1 > max_conc then mask = mask + 8 end
 if mask ~= 0 then
-  return {0, sec, usec, used_tpm, used_tpd, used_rpm, num_conc, mask}
+  return {0, sec, usec, used_tpm, used_tpd, used_rpm, num_conc, mask, ARGV[1], ARGV[2]}
 end
 
 used_tpm = redis.call('INCRBY', KEYS[1], ARGV[3])
@@ -73,5 +87,11 @@ if max_conc then
   redis.call('PEXPIRE', KEYS[4], ARGV[9])
   num_conc = redis.call('ZCARD', KEYS[4])
 end
-redis.call('SET', KEYS[5], ARGV[3], 'EX', ARGV[12])
-return {1, sec, usec, used_tpm, used_tpd, used_rpm, num_conc, 0}
+redis.call('HSET', KEYS[5], 'owner', ARGV[13], 'tokens', ARGV[3], 'minute', ARGV[1],
+           'day', ARGV[2])
+redis.call('EXPIRE', KEYS[5], ARGV[12])
+if ARGV[13] ~= '' then
+  redis.call('ZADD', KEYS[6], now_ms, ARGV[14])
+  redis.call('EXPIRE', KEYS[6], ARGV[12])
+end
+return {1, sec, usec, used_tpm, used_tpd, used_rpm, num_conc, 0, ARGV[1], ARGV[2]}

@@ -1,0 +1,108 @@
+"""The quota Lua scripts (`quota/lua/`), registered once on one client, with their keys and
+arguments built in one place. Every call may raise redis ConnectionError or TimeoutError;
+every script is safe to send again after a lost reply (see each script's header)."""
+
+from importlib import resources
+
+import redis.asyncio
+
+from quota import keyspace
+from quota.journal import Settlement
+from quota.models import TenantLimits
+from quota.policy import (
+    DAY_TTL_S,
+    MINUTE_TTL_S,
+    PENDING_TTL_S,
+    ReserveReply,
+    Windows,
+    limit_arg,
+    parse_reserve_reply,
+)
+
+
+def _script(name: str) -> str:
+    return resources.files("quota").joinpath("lua", name).read_text()
+
+
+class QuotaScripts:
+    """reserve.lua, reconcile.lua and sweep.lua on `redis`."""
+
+    def __init__(self, redis: redis.asyncio.Redis) -> None:
+        self.redis = redis
+        self._reserve = redis.register_script(_script("reserve.lua"))
+        self._reconcile = redis.register_script(_script("reconcile.lua"))
+        self._sweep = redis.register_script(_script("sweep.lua"))
+
+    async def reserve(
+        self,
+        tenant_id: str,
+        limits: TenantLimits,
+        request_id: str,
+        tokens: int,
+        windows: Windows,
+        lease_ms: int,
+        owner_id: str | None,
+    ) -> ReserveReply:
+        """One reserve attempt against `windows` (see reserve.lua for the statuses).
+        `owner_id`: the gateway indexing the reservation for sweeps; None: not indexed."""
+        keys = [
+            keyspace.tokens_minute(tenant_id, windows.minute),
+            keyspace.tokens_day(tenant_id, windows.day),
+            keyspace.requests_minute(tenant_id, windows.minute),
+            keyspace.concurrency(tenant_id),
+            keyspace.pending(tenant_id, request_id),
+            keyspace.owner_pending(owner_id or "-"),
+        ]
+        args = [
+            windows.minute,
+            windows.day,
+            tokens,
+            limit_arg(limits.tokens_per_minute),
+            limit_arg(limits.tokens_per_day),
+            limit_arg(limits.requests_per_minute),
+            limit_arg(limits.max_concurrent),
+            request_id,
+            lease_ms,
+            MINUTE_TTL_S,
+            DAY_TTL_S,
+            PENDING_TTL_S,
+            owner_id or "",
+            keyspace.pending_member(tenant_id, request_id),
+        ]
+        return parse_reserve_reply(await self._reserve(keys, args))
+
+    async def settle(self, s: Settlement) -> bool:
+        """Apply a settlement; False if it was already applied (or swept and applied)."""
+        tid, rid = s.tenant_id, s.request_id
+        keys = [
+            keyspace.tokens_minute(tid, s.minute),
+            keyspace.tokens_day(tid, s.day),
+            keyspace.concurrency(tid),
+            keyspace.pending(tid, rid),
+            keyspace.swept(tid, rid),
+            keyspace.charged(tid, rid),
+            keyspace.owner_pending(s.owner_id or "-"),
+        ]
+        member = keyspace.pending_member(tid, rid) if s.owner_id else ""
+        args = [
+            s.delta_tokens,
+            "checked" if s.checked else "unchecked",
+            rid,
+            MINUTE_TTL_S,
+            DAY_TTL_S,
+            PENDING_TTL_S,
+            member,
+        ]
+        return bool(await self._reconcile(keys, args))
+
+    async def sweep(self, owner_id: str, member: str) -> bool:
+        """Settle the reservation `member` ("<tenant>|<request id>") of the dead `owner_id`:
+        release its slot, keep its tokens charged. False: nothing was pending."""
+        tid, rid = keyspace.split_pending_member(member)
+        keys = [
+            keyspace.pending(tid, rid),
+            keyspace.swept(tid, rid),
+            keyspace.concurrency(tid),
+            keyspace.owner_pending(owner_id),
+        ]
+        return bool(await self._sweep(keys, [rid, member, owner_id, PENDING_TTL_S]))
