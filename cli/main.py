@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from cli.cascade_cmd import add_cascade_parser
+from cli.models_cmd import add_models_parsers
 
 
 def _cmd_make_demo(args: argparse.Namespace) -> int:
@@ -39,9 +40,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         )
         prompt = args.prompt
         if args.chat:
-            assert engine.tokenizer is not None
+            if engine.tokenizer is None:
+                print(f"error: {args.model} has no tokenizer for --chat", file=sys.stderr)
+                return 2
             prompt = engine.tokenizer.render_chat([{"role": "user", "content": prompt}])
-        req = engine.add_request(prompt=prompt, params=params)
+        # A rendered chat prompt holds its special tokens already.
+        req = engine.add_request(prompt=prompt, params=params, add_special_tokens=not args.chat)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -188,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--out", default="models", help="output directory (default: models)")
     demo.set_defaults(func=_cmd_make_demo)
+    add_models_parsers(models)
 
     gen = sub.add_parser("generate", help="generate text with the engine, offline")
     gen.add_argument("prompt")

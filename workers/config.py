@@ -21,7 +21,10 @@ class EngineConfig:
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
     block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int | None = None  # fixed KV pool size; None = sized from memory
+    num_kv_blocks: int | None = None  # fixed KV pool size; None = planned as below
+    # The planned KV pool is the smallest of: `kv_cache_gib`, `kv_memory_fraction` of the
+    # memory free after the weights, and what max_num_seqs x max_model_len could ever use.
+    kv_cache_gib: float | None = 0.5  # absolute KV budget; None = no absolute cap
     kv_memory_fraction: float = 0.5  # of the memory left after weights, given to KV
     max_model_len: int | None = None  # cap on prompt + output; None = the checkpoint's
     enable_prefix_caching: bool = True
@@ -29,6 +32,10 @@ class EngineConfig:
     # contiguous rows, allocated at start-up (max_num_seqs x this many tokens): more
     # memory, far less bandwidth per decode step on CPUs. 0 = gather blocks every step.
     decode_workspace_tokens: int = 1024
+    # Cap on the workspace: rows = min(max_num_seqs, what fits here, what the KV pool
+    # could fill); decodes without a row gather their blocks instead.
+    decode_workspace_gib: float = 0.25
+    threads: int | None = None  # torch intra-op threads; None = CPUs we may run on, at most 8
     scheduler: SchedulerConfig | None = None
     seed: int = 0  # for unseeded sampling
 

@@ -103,15 +103,20 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         deadline: float | None = None,
+        add_special_tokens: bool = True,
     ) -> Request:
-        """Validate and tokenize a request. Touches no engine state, so any thread may call it."""
+        """Validate and tokenize a request. Touches no engine state, so any thread may call it.
+
+        A prompt rendered by the chat template already holds its special tokens (BOS
+        included, where the template writes it): pass `add_special_tokens=False`.
+        """
         params = params or SamplingParams()
         if (prompt is None) == (prompt_token_ids is None):
             raise InvalidRequestError("give exactly one of prompt and prompt_token_ids", "prompt")
         if prompt is not None:
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer; send token ids", "prompt")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens)
         else:
             ids = list(prompt_token_ids or [])
             vocab = self.runner.model_config.vocab_size

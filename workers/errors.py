@@ -33,3 +33,7 @@ class ContextLengthError(InvalidRequestError):
 
 class CheckpointError(EngineError):
     """A checkpoint directory that cannot be loaded: missing file, bad shape, unknown model."""
+
+
+class ModelFetchError(EngineError):
+    """A known model that cannot be fetched: unknown name, failed download, bad checksum."""

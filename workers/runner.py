@@ -59,11 +59,40 @@ def plan_num_kv_blocks(
     bytes_per_token: int,
     block_size: int,
     max_useful_tokens: int,
+    budget_bytes: int | None = None,
 ) -> int:
-    """KV blocks that fit in `fraction` of the free memory, no more than can ever be used."""
-    fit = int(available_bytes * fraction) // (bytes_per_token * block_size)
+    """KV blocks within `fraction` of the free memory and `budget_bytes` (None: no budget),
+    no more than can ever be used."""
+    limit = int(available_bytes * fraction)
+    if budget_bytes is not None:
+        limit = min(limit, budget_bytes)
+    fit = limit // (bytes_per_token * block_size)
     useful = -(-max_useful_tokens // block_size)
     return max(min(fit, useful), 1)
+
+
+def plan_workspace_rows(
+    budget_bytes: int, bytes_per_token: int, tokens_per_row: int, max_rows: int, kv_tokens: int
+) -> int:
+    """Decode-workspace rows: at most `max_rows`, within the budget, and no more than the
+    KV pool could fill (each row copies KV that lives in the pool). At least one."""
+    fit = budget_bytes // (bytes_per_token * tokens_per_row)
+    fill = -(-kv_tokens // tokens_per_row)
+    return max(min(max_rows, fit, fill), 1)
+
+
+def plan_threads(configured: int | None, num_cpus: int, cap: int = 8) -> int:
+    """torch threads: the configured number, else the CPUs we may run on, at most `cap`."""
+    if configured is not None:
+        return max(configured, 1)
+    return max(min(num_cpus, cap), 1)
+
+
+def _num_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 class ModelRunner:
@@ -72,6 +101,8 @@ class ModelRunner:
     def __init__(self, model_dir: Path, config: EngineConfig) -> None:
         t0 = time.perf_counter()
         self.config = config
+        self.num_threads = plan_threads(config.threads, _num_cpus())
+        torch.set_num_threads(self.num_threads)
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
         self.model_config = load_model_config(model_dir)
@@ -92,6 +123,7 @@ class ModelRunner:
                 per_token,
                 self.block_size,
                 config.scheduler.max_num_seqs * self.max_model_len,
+                None if config.kv_cache_gib is None else int(config.kv_cache_gib * 2**30),
             )
         num_slots = self.num_kv_blocks * self.block_size
         shape = (cfg.num_kv_heads, num_slots, cfg.head_dim)
@@ -106,35 +138,44 @@ class ModelRunner:
         self.workspace = None
         if config.decode_workspace_tokens > 0:
             assert config.scheduler is not None
+            row_tokens = min(config.decode_workspace_tokens, self.max_model_len)
+            rows = plan_workspace_rows(
+                int(config.decode_workspace_gib * 2**30),
+                per_token,
+                row_tokens,
+                config.scheduler.max_num_seqs,
+                num_slots,
+            )
             self.workspace = DecodeWorkspace(
                 cfg.num_layers,
                 cfg.num_kv_heads,
                 cfg.head_dim,
-                config.scheduler.max_num_seqs,
-                min(config.decode_workspace_tokens, self.max_model_len),
+                rows,
+                row_tokens,
                 self.dtype,
                 self.device,
             )
         log.info(
-            "loaded %s (%s, %.1fM parameters, %s on %s) in %.1fs; KV cache holds %d tokens "
-            "(%d blocks of %d, %.0f MiB)",
+            "loaded %s (%s, %.1fM parameters, %s on %s, %d threads) in %.1fs; KV cache holds "
+            "%d tokens (%d blocks of %d, %.2f GiB)",
             model_dir,
             cfg.architecture,
             self.num_parameters / 1e6,
             config.dtype,
             self.device,
+            self.num_threads,
             time.perf_counter() - t0,
             num_slots,
             self.num_kv_blocks,
             self.block_size,
-            num_slots * per_token / 2**20,
+            num_slots * per_token / 2**30,
         )
         if self.workspace is not None:
             log.info(
-                "decode workspace: %d rows x %d tokens (%.0f MiB)",
+                "decode workspace: %d rows x %d tokens (%.2f GiB)",
                 self.workspace.max_rows,
                 self.workspace.max_tokens,
-                self.workspace.nbytes() / 2**20,
+                self.workspace.nbytes() / 2**30,
             )
 
     @torch.inference_mode()

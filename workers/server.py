@@ -199,7 +199,10 @@ def _make_engine_request(
                 code="context_length_exceeded",
             )
     kwargs: dict[str, Any] = (
-        {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+        # A rendered chat prompt holds its special tokens already.
+        {"prompt": prompt, "add_special_tokens": not chat}
+        if isinstance(prompt, str)
+        else {"prompt_token_ids": prompt}
     )
     prefix = "chatcmpl" if chat else "cmpl"
     try:
