@@ -62,24 +62,35 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
+    import os
+
     from cli.config_files import fill, read_yaml
     from workers.config import EngineConfig
     from workers.process import serve_worker
-    from workers.service import WorkerConfig
+    from workers.service import WorkerConfig, control_exposure_error
 
     raw = read_yaml(args.config)
     engine_cfg = fill(EngineConfig, raw.get("engine"), f"{args.config}: engine")
     worker_cfg = fill(WorkerConfig, raw.get("worker"), f"{args.config}: worker")
     if args.served_model_name:
         worker_cfg.served_model_names = args.served_model_name
+    worker_cfg.control_key = (
+        args.control_key
+        or worker_cfg.control_key
+        or os.environ.get("SWITCHYARD_WORKER_CONTROL_KEY")
+        or None
+    )
+    refusal = control_exposure_error(args.host, worker_cfg.control_key, args.insecure_control)
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
         print(
             f"error: {model_dir} is not a Hugging Face checkpoint (no config.json)", file=sys.stderr
         )
         return 2
-    serve_worker(model_dir, engine_cfg, worker_cfg, args.host, args.port)
-    return 0
+    return serve_worker(model_dir, engine_cfg, worker_cfg, args.host, args.port)
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
@@ -215,6 +226,16 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--config", default=None, help="YAML with `engine:` and `worker:` sections")
     worker.add_argument(
         "--served-model-name", action="append", help="model name(s) to answer to (repeatable)"
+    )
+    worker.add_argument(
+        "--control-key",
+        default=None,
+        help="bearer key for /drain (default: worker.control_key, $SWITCHYARD_WORKER_CONTROL_KEY)",
+    )
+    worker.add_argument(
+        "--insecure-control",
+        action="store_true",
+        help="allow a non-loopback --host without a control key (/drain open to the network)",
     )
     worker.set_defaults(func=_cmd_worker)
 

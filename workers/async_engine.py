@@ -9,9 +9,10 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from workers.engine import LLMEngine, RequestOutput
+from workers.errors import RequestFailedError
 from workers.request import Request
 
 log = logging.getLogger(__name__)
@@ -19,6 +20,9 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped with an error; no request can make progress."""
+
+
+DeathCallback = Callable[[BaseException], None]
 
 
 class AsyncEngine:
@@ -37,6 +41,7 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self.last_step_time = time.monotonic()  # heartbeat, read by health checks
         self.num_steps = 0
+        self._on_death: list[DeathCallback] = []
 
     @property
     def is_running(self) -> bool:
@@ -53,6 +58,20 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout_s)
 
+    def add_death_callback(self, callback: DeathCallback) -> None:
+        """Call `callback(error)`, from the engine thread, once the loop dies (now if dead)."""
+        with self._lock:
+            dead = self.error
+            if dead is None:
+                self._on_death.append(callback)
+        if dead is not None:
+            callback(dead)
+
+    def pending_aborts(self) -> int:
+        """Aborts handed in and not yet applied (they are, at the next step boundary)."""
+        with self._lock:
+            return len(self._aborts)
+
     def is_idle(self) -> bool:
         with self._lock:
             pending = bool(self._new)
@@ -62,13 +81,16 @@ class AsyncEngine:
         """Submit a request made by `engine.make_request` and yield its outputs.
 
         Closing the iterator early (client gone, task cancelled) aborts the request;
-        its KV blocks are free after the engine's next step boundary.
+        its KV blocks are free after the engine's next step boundary. Raises
+        RequestFailedError when the engine failed this request alone, EngineDeadError
+        when the engine loop died.
         """
-        if self.error is not None:
-            raise EngineDeadError(str(self.error))
         queue: asyncio.Queue = asyncio.Queue()
         rid = request.request_id
         with self._lock:
+            # Checked under the lock the dying loop takes, so no stream is left unwarned.
+            if self.error is not None:
+                raise EngineDeadError(str(self.error))
             self._streams[rid] = (asyncio.get_running_loop(), queue)
             self._new.append(request)
         self._wake.set()
@@ -79,6 +101,8 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise EngineDeadError(str(item)) from item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
                 yield item
                 if finished:
                     return
@@ -113,8 +137,9 @@ class AsyncEngine:
                 with self._lock:
                     new, self._new = self._new, []
                     aborts, self._aborts = self._aborts, []
-                for req in new:
-                    engine.add(req)
+                refused = [out for out in map(engine.add, new) if out is not None]
+                if refused:
+                    self._deliver(refused)
                 for rid in aborts:
                     out = engine.abort(rid)
                     if out is not None:
@@ -130,11 +155,17 @@ class AsyncEngine:
                 self._deliver(outputs)
         except BaseException as exc:  # noqa: BLE001 (report any death to every waiter)
             log.exception("engine loop died")
-            self.error = exc
             with self._lock:
+                self.error = exc
                 streams = list(self._streams.values())
+                callbacks, self._on_death = self._on_death, []
             for loop, queue in streams:
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, exc)
+                except RuntimeError:  # that caller's event loop is gone already
+                    pass
+            for callback in callbacks:
+                callback(exc)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
@@ -144,7 +175,14 @@ class AsyncEngine:
                 if stream is not None:
                     by_loop.setdefault(stream[0], []).append((stream[1], out))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's event loop closed under its stream: abort
+                with self._lock:
+                    for _, out in items:
+                        self._streams.pop(out.request_id, None)
+                        if not out.finished:
+                            self._aborts.append(out.request_id)
 
 
 def _put_all(items: list) -> None:

@@ -10,14 +10,19 @@ from pathlib import Path
 from kvcache import KVCacheManager
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
-from workers.errors import ContextLengthError, InvalidRequestError
-from workers.request import FinishReason, Request
+from workers.errors import ContextLengthError, EngineStepError, InvalidRequestError
+from workers.isolation import execute_isolated
+from workers.request import FinishReason, Request, RequestStatus
 from workers.runner import ModelRunner, TokenLogprobs
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler
 from workers.tokenizer import CheckpointTokenizer
 
 log = logging.getLogger(__name__)
+
+# Steps in a row in which every scheduled request failed, alone, before the failure is
+# taken for the engine's own (a broken device) rather than the requests'.
+MAX_FAILED_STEPS = 3
 
 
 @dataclass
@@ -34,6 +39,7 @@ class RequestOutput:
     num_output_tokens: int  # total so far
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None  # why the engine failed this request (finish_reason ERROR)
 
 
 @dataclass
@@ -75,6 +81,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_generated_tokens = 0
         self.num_prompt_tokens_computed = 0
+        self.num_failed_requests = 0
+        self._num_failed_steps = 0  # in a row, every request failing
 
     @classmethod
     def from_pretrained(
@@ -142,15 +150,20 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
         )
 
-    def add(self, request: Request) -> None:
-        self.scheduler.add(request)
-        if self.tokenizer is not None:
-            self._detok[request.request_id] = IncrementalDetokenizer(
-                self.tokenizer.backend,
-                request.prompt_token_ids,
-                request.params.stop,
-                request.params.skip_special_tokens,
-            )
+    def add(self, request: Request) -> RequestOutput | None:
+        """Queue a request. None when queued; a finished output with `error` when not."""
+        try:
+            self.scheduler.add(request)
+            if self.tokenizer is not None:
+                self._detok[request.request_id] = IncrementalDetokenizer(
+                    self.tokenizer.backend,
+                    request.prompt_token_ids,
+                    request.params.stop,
+                    request.params.skip_special_tokens,
+                )
+        except Exception as exc:
+            return self._fail(request, exc, "add")
+        return None
 
     def add_request(self, request_id: str | None = None, **kwargs) -> Request:
         request = self.make_request(request_id, **kwargs)
@@ -170,14 +183,23 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and report what changed."""
+        """Schedule, run the model once, sample, and report what changed.
+
+        A request that makes the step fail is failed alone (an output with `error`) and
+        the others go on; raises EngineStepError only for a failure no request explains.
+        """
         sched = self.scheduler
         out = sched.schedule()
         outputs = [self._output(req, [], None) for req in out.expired]
         if not out.scheduled:
             return outputs
         tables = {req.request_id: self.kv.block_table(req.request_id) for req, _ in out.scheduled}
-        sampled = self.runner.execute(out.scheduled, tables)
+        sampled, failed = execute_isolated(
+            lambda batch: self.runner.execute(batch, tables), out.scheduled
+        )
+        self._count_failed_step(len(failed), len(out.scheduled), failed)
+        outputs += [self._fail(req, exc, "step") for req, exc in failed]
+        out.scheduled = [(req, n) for req, n in out.scheduled if not req.is_finished]
         sched.advance(out)
         self.num_prompt_tokens_computed += sum(n for _, n in out.scheduled) - len(sampled)
         now = self.clock()
@@ -185,14 +207,51 @@ class LLMEngine:
             token = sampled.get(req.request_id)
             if token is None:
                 continue
-            req.append_token(token.token_id)
-            self.num_generated_tokens += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
-            self._check_stop(req, token.token_id)
-            lps = [token.logprobs] if token.logprobs is not None else None
-            outputs.append(self._output(req, [token.token_id], lps))
+            try:
+                req.append_token(token.token_id)
+                self.num_generated_tokens += 1
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                self._check_stop(req, token.token_id)
+                lps = [token.logprobs] if token.logprobs is not None else None
+                outputs.append(self._output(req, [token.token_id], lps))
+            except Exception as exc:  # stop checks, detokenization: this request only
+                outputs.append(self._fail(req, exc, "detokenize"))
         return outputs
+
+    def _count_failed_step(self, num_failed: int, num_scheduled: int, failed) -> None:
+        if num_failed < num_scheduled:
+            self._num_failed_steps = 0
+            return
+        self._num_failed_steps += 1
+        if num_scheduled > 1 or self._num_failed_steps >= MAX_FAILED_STEPS:
+            raise EngineStepError(
+                f"every request failed alone ({num_scheduled} this step, "
+                f"{self._num_failed_steps} such steps in a row): {failed[0][1]!r}"
+            ) from failed[0][1]
+
+    def _fail(self, req: Request, exc: Exception, phase: str) -> RequestOutput:
+        """Finish one request with an error; its blocks are free when this returns."""
+        log.error("request %s failed (%s): %r", req.request_id, phase, exc, exc_info=exc)
+        if self.scheduler.requests.get(req.request_id) is req:
+            self.scheduler.finish(req, FinishReason.ERROR)
+        else:  # never queued: its id may belong to another request
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = FinishReason.ERROR
+        self._detok.pop(req.request_id, None)
+        self.num_failed_requests += 1
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason=FinishReason.ERROR,
+            stop_reason=None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            error=f"{type(exc).__name__}: {exc}",
+        )
 
     def _check_stop(self, req: Request, token_id: int) -> None:
         params = req.params

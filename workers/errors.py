@@ -31,6 +31,14 @@ class ContextLengthError(InvalidRequestError):
         self.max_model_len = max_model_len
 
 
+class EngineStepError(EngineError):
+    """A step failed in a way no single request explains (every request failed alone)."""
+
+
+class RequestFailedError(EngineError):
+    """The engine failed this one request (finish reason `error`); the others go on."""
+
+
 class CheckpointError(EngineError):
     """A checkpoint directory that cannot be loaded: missing file, bad shape, unknown model."""
 

@@ -59,6 +59,11 @@ class EngineCollector(Collector):
             kv.stats.num_hit_tokens,
         )
         yield counter(
+            "request_errors",
+            "Requests the engine failed alone (finish reason error); the others went on.",
+            engine.num_failed_requests,
+        )
+        yield counter(
             "num_preemptions",
             "Requests preempted (recomputed) for lack of KV blocks.",
             sched.num_preemptions,

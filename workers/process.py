@@ -56,19 +56,33 @@ def build_worker(model_dir: Path, engine_config: EngineConfig, config: WorkerCon
 
 def serve_worker(
     model_dir: Path, engine_config: EngineConfig, config: WorkerConfig, host: str, port: int
-) -> None:
+) -> int:
+    """Serve until stopped or drained (exit status 0), or until the engine dies (1)."""
     # The engine thread runs Python between torch kernels; with the default 5 ms GIL
     # switch interval the event loop could wait that long to send a ready token.
     sys.setswitchinterval(0.0005)
     app, service = build_worker(model_dir, engine_config, config)
     server = uvicorn.Server(
-        uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="on")
+        uvicorn.Config(
+            app, host=host, port=port, log_level="info", lifespan="on", timeout_graceful_shutdown=30
+        )
     )
 
     def exit_now() -> None:
         server.should_exit = True
 
+    failed = threading.Event()
+
+    def exit_failed() -> None:  # from the engine thread; in-flight requests got errors
+        failed.set()
+        server.should_exit = True
+
     service.on_drained = exit_now
+    service.on_engine_failure = exit_failed
     server.run()
     if service.engine is not None:
         service.engine.shutdown()
+    if failed.is_set():
+        log.critical("exiting with status 1: the engine failed")
+        return 1
+    return 0

@@ -17,6 +17,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"  # the caller aborted (client disconnect)
     DEADLINE = "deadline"  # dropped at dequeue: its deadline had passed before any prefill
+    ERROR = "error"  # the engine failed on this request alone; the output carries why
 
 
 class Request:

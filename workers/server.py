@@ -1,20 +1,22 @@
 """The worker's HTTP app (Litestar): OpenAI endpoints plus load, health, drain, metrics.
 
-Handlers stay thin: decoding and validation in `workers.api`/`openai_format`, state and
-admission in `WorkerService`, generation in the engine thread. All errors leave through
-`_error_response`, in the OpenAI shape.
+Handlers stay thin: bounds in `workers.validation`, decoding in `workers.api`, mapping in
+`openai_format`, state and admission in `WorkerService`, responses in `generation`, and
+generation itself in the engine thread. All errors leave through `_error_response`, in
+the OpenAI shape. Control endpoints (/drain) are guarded by the worker's control key.
 """
 
 import asyncio
 import logging
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
+from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException
+from litestar.handlers.base import BaseRouteHandler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from workers.api import (
@@ -24,20 +26,19 @@ from workers.api import (
     EventStream,
     decode_request,
 )
-from workers.async_engine import AsyncEngine, EngineDeadError
-from workers.engine import RequestOutput
+from workers.async_engine import AsyncEngine
 from workers.errors import InvalidRequestError
+from workers.generation import collect, exit_when_idle, sse_stream, until_done_or_disconnect
 from workers.openai_format import ResponseBuilder, chat_prompt, sampling_params
 from workers.request import Request as EngineRequest
-from workers.service import WorkerService
+from workers.service import WorkerService, bearer_matches
+from workers.validation import check_body_size, check_json_depth, check_request
 
 log = logging.getLogger(__name__)
 
-_DONE = b"data: [DONE]\n\n"
 
-
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+class DrainOptions(msgspec.Struct):
+    exit_when_empty: bool | None = None  # None: the worker's `exit_when_drained`
 
 
 def _error_response(exc: ApiError, service: WorkerService | None = None) -> Response:
@@ -57,11 +58,31 @@ def create_worker_app(service: WorkerService, on_startup: list[Callable] | None 
 
     def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return _error_response(ApiError(exc.status_code, str(exc.detail), type=kind))
+        code = "request_too_large" if exc.status_code == 413 else None
+        return _error_response(ApiError(exc.status_code, str(exc.detail), type=kind, code=code))
 
     def server_error(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)
         return _error_response(ApiError(500, "internal error", type="server_error"))
+
+    def requires_control_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+        key = service.config.control_key
+        if key is not None and not bearer_matches(connection.headers.get("authorization"), key):
+            raise ApiError(
+                401,
+                "this endpoint needs the worker's control key (Authorization: Bearer <key>)",
+                code="invalid_control_key",
+            )
+
+    def decode(raw: bytes, kind: type) -> Any:
+        """Bounds first, then decoding, then every field against the model's real limits."""
+        limits = service.config.limits
+        check_body_size(len(raw), limits)
+        check_json_depth(raw, limits.max_json_depth)
+        body = decode_request(raw, kind)
+        vocab, max_len = service.vocab_size, service.max_model_len
+        check_request(body, limits, vocab_size=vocab, max_model_len=max_len)
+        return body
 
     async def submit(
         request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool
@@ -91,21 +112,21 @@ def create_worker_app(service: WorkerService, on_startup: list[Callable] | None 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         headers = {"x-request-id": engine_req.request_id}
         if body.stream:
-            stream = _sse_stream(service, engine, engine_req, builder, include_usage)
+            stream = sse_stream(service, engine, engine_req, builder, include_usage)
             return EventStream(stream, headers={**headers, "cache-control": "no-cache"})
-        result = await _until_done_or_disconnect(
-            request, _collect(service, engine, engine_req, builder)
+        result = await until_done_or_disconnect(
+            request, collect(service, engine, engine_req, builder)
         )
         return Response(content=result, headers=headers, media_type="application/json")
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request) -> Any:
-        body = decode_request(await request.body(), CompletionRequest)
+        body = decode(await request.body(), CompletionRequest)
         return await submit(request, body, chat=False)
 
     @post("/v1/chat/completions", status_code=200)
     async def chat_completions(request: Request) -> Any:
-        body = decode_request(await request.body(), ChatCompletionRequest)
+        body = decode(await request.body(), ChatCompletionRequest)
         return await submit(request, body, chat=True)
 
     @get("/v1/models")
@@ -137,19 +158,20 @@ def create_worker_app(service: WorkerService, on_startup: list[Callable] | None 
         state = service.state
         return Response(content={"state": state}, status_code=200 if state == "ready" else 503)
 
-    @post("/drain", status_code=200)
+    @post("/drain", status_code=200, guards=[requires_control_key])
     async def drain(request: Request) -> dict[str, Any]:
         raw = await request.body()
-        opts = msgspec.json.decode(raw) if raw else {}
+        check_json_depth(raw, service.config.limits.max_json_depth)
+        opts = decode_request(raw, DrainOptions) if raw.strip() else DrainOptions()
         exit_when_empty = (
-            bool(opts.get("exit_when_empty", service.config.exit_when_drained))
-            if isinstance(opts, dict)
-            else False
+            service.config.exit_when_drained
+            if opts.exit_when_empty is None
+            else opts.exit_when_empty
         )
         service.draining = True
         log.info("draining (exit when empty: %s)", exit_when_empty)
         if exit_when_empty and service.on_drained is not None:
-            asyncio.get_running_loop().create_task(_exit_when_idle(service))
+            asyncio.get_running_loop().create_task(exit_when_idle(service))
         return {"state": service.state}
 
     @get("/metrics")
@@ -166,7 +188,7 @@ def create_worker_app(service: WorkerService, on_startup: list[Callable] | None 
             Exception: server_error,
         },
         on_startup=on_startup or [],
-        request_max_body_size=8 * 1024 * 1024,
+        request_max_body_size=service.config.limits.max_body_bytes,
     )
 
 
@@ -216,146 +238,3 @@ def _make_engine_request(
     except InvalidRequestError as exc:
         param = "messages" if chat and exc.param == "prompt" else exc.param
         raise ApiError(400, exc.message, param=param, code=exc.code) from None
-
-
-def _observe(service: WorkerService, req: EngineRequest, last: RequestOutput) -> None:
-    reason = last.finish_reason.value if last.finish_reason else "abort"
-    service.metrics.observe_finished(
-        reason,
-        req.num_prompt_tokens,
-        req.arrival_time,
-        req.first_scheduled_time,
-        req.first_token_time,
-        time.monotonic(),
-    )
-
-
-async def _collect(
-    service: WorkerService, engine: AsyncEngine, req: EngineRequest, builder: ResponseBuilder
-) -> bytes:
-    texts: list[str] = []
-    ids: list[int] = []
-    lps = []
-    last: RequestOutput | None = None
-    itl = service.metrics.itl.labels(service.metrics.model)
-    gen = service.metrics.generation_tokens.labels(service.metrics.model)
-    t_last = None
-    try:
-        async for out in engine.generate(req):
-            last = out
-            texts.append(out.new_text)
-            ids += out.new_token_ids
-            if out.new_token_ids:
-                now = time.monotonic()
-                if t_last is not None:
-                    itl.observe(now - t_last)
-                t_last = now
-                gen.inc(len(out.new_token_ids))
-                service.record_tokens(len(out.new_token_ids))
-            if out.logprobs:
-                lps += out.logprobs
-    except EngineDeadError as exc:
-        raise ApiError(
-            503, f"the engine failed: {exc}", type="server_error", code="engine_failed"
-        ) from None
-    assert last is not None
-    _observe(service, req, last)
-    logprobs = builder.logprobs(lps, ids) if req.params.logprobs is not None else None
-    return msgspec.json.encode(builder.full("".join(texts), last, logprobs))
-
-
-async def _until_done_or_disconnect(request: Request, work) -> bytes:
-    """Run `work`; if the client disconnects first, cancel it (which aborts the request)."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
-    raise ApiError(499, "client disconnected")
-
-
-async def _sse_stream(
-    service: WorkerService,
-    engine: AsyncEngine,
-    req: EngineRequest,
-    builder: ResponseBuilder,
-    include_usage: bool,
-) -> AsyncIterator[bytes]:
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump() -> None:
-        try:
-            async for out in engine.generate(req):
-                queue.put_nowait(out)
-        except EngineDeadError as exc:
-            queue.put_nowait(exc)
-
-    task = asyncio.ensure_future(pump())
-    metrics = service.metrics
-    itl = metrics.itl.labels(metrics.model)
-    gen = metrics.generation_tokens.labels(metrics.model)
-    first = True
-    t_last = None
-    try:
-        while True:
-            if first:
-                try:
-                    item = await asyncio.wait_for(queue.get(), service.config.sse_heartbeat_s)
-                except TimeoutError:
-                    yield b": keep-alive\n\n"
-                    continue
-            else:
-                item = await queue.get()
-            if isinstance(item, EngineDeadError):
-                err = ApiError(
-                    500,
-                    f"the engine failed mid-stream: {item}",
-                    type="server_error",
-                    code="engine_failed",
-                )
-                yield _sse(err.body())
-                yield _DONE
-                return
-            out: RequestOutput = item
-            if out.new_token_ids:
-                now = time.monotonic()
-                if t_last is not None:
-                    itl.observe(now - t_last)
-                t_last = now
-                gen.inc(len(out.new_token_ids))
-                service.record_tokens(len(out.new_token_ids))
-            if out.new_token_ids or out.new_text or out.finished or first:
-                yield _sse(builder.chunk(out.new_text, out, first))
-                first = False
-            if out.finished:
-                _observe(service, req, out)
-                if include_usage:
-                    yield _sse(builder.usage_chunk(out))
-                yield _DONE
-                return
-    finally:
-        task.cancel()
-
-
-async def _exit_when_idle(service: WorkerService) -> None:
-    engine = service.engine
-    while engine is not None and not engine.is_idle():
-        await asyncio.sleep(0.05)
-    log.info("drained: no request left; exiting")
-    if service.on_drained is not None:
-        service.on_drained()

@@ -1,5 +1,8 @@
 """One worker's behaviour, independent of the HTTP framework: state, admission, load."""
 
+import hmac
+import ipaddress
+import logging
 import math
 import random
 import threading
@@ -11,6 +14,9 @@ from dataclasses import dataclass, field
 from workers.api import ApiError, LoadReport, WorkerState
 from workers.async_engine import AsyncEngine
 from workers.metrics import WorkerMetrics
+from workers.validation import RequestLimits
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -26,6 +32,39 @@ class WorkerConfig:
     sse_heartbeat_s: float = 5.0  # SSE comment while a stream waits for its first token
     default_max_tokens: int = 256
     exit_when_drained: bool = False
+    limits: RequestLimits = field(default_factory=RequestLimits)  # per-request bounds
+    # `Authorization: Bearer <control_key>` on control endpoints (/drain); None = open,
+    # which the entry point allows only on a loopback host (see `control_exposure_error`).
+    control_key: str | None = None
+    # When the engine thread dies (a failure no request explains), fail what is in
+    # flight and exit non-zero so a supervisor restarts the process.
+    exit_on_engine_failure: bool = True
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def control_exposure_error(host: str, control_key: str | None, insecure: bool) -> str | None:
+    """Why a worker must not start like this (control endpoints open to the network)."""
+    if control_key or insecure or is_loopback(host):
+        return None
+    return (
+        f"the worker would listen on {host} with /drain open to anyone: set a control key "
+        "(worker.control_key, --control-key or SWITCHYARD_WORKER_CONTROL_KEY), or pass "
+        "--insecure-control"
+    )
+
+
+def bearer_matches(authorization: str | None, key: str) -> bool:
+    """Whether an Authorization header carries `Bearer <key>` (constant-time compare)."""
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
 def jittered_retry_after(base_s: float, jitter_s: float, rng: random.Random) -> float:
@@ -54,7 +93,11 @@ class WorkerService:
         self._rate: deque[tuple[float, int]] = deque(maxlen=256)
         self._lock = threading.Lock()
         self.on_drained: Callable[[], None] | None = None  # set by the process to exit
+        # Set by the process: exit non-zero (called from the engine thread).
+        self.on_engine_failure: Callable[[], None] | None = None
         self._max_chars_per_token: int | None = None
+        if engine is not None:
+            engine.add_death_callback(self._engine_died)
 
     @property
     def model_name(self) -> str:
@@ -62,6 +105,22 @@ class WorkerService:
 
     def set_engine(self, engine: AsyncEngine) -> None:
         self.engine = engine
+        engine.add_death_callback(self._engine_died)
+
+    def _engine_died(self, error: BaseException) -> None:
+        """The engine thread is gone: /ready is 503 (stalled) until the process exits."""
+        log.critical("the engine failed; in-flight requests got an error: %r", error)
+        if self.config.exit_on_engine_failure and self.on_engine_failure is not None:
+            self.on_engine_failure()
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids must be below it; None while loading."""
+        return self.engine.engine.runner.model_config.vocab_size if self.engine else None
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.engine.engine.max_model_len if self.engine else None
 
     @property
     def state(self) -> WorkerState:
@@ -133,6 +192,7 @@ class WorkerService:
             output_tokens_per_s=round(self.tokens_per_s(), 2),
             model=self.model_name,
             max_model_len=e.max_model_len,
+            vocab_size=self.vocab_size,
         )
 
     def max_chars_per_token(self) -> int:
