@@ -260,12 +260,20 @@ class AdmissionController:
         deadline passes first (the ticket leaves the queue). If the awaiting task is
         cancelled (client disconnect), the ticket leaves the queue.
         """
+        future = self.enqueue(ticket)
+        if future is not None:
+            await self.wait(ticket, future)
+
+    def enqueue(self, ticket: Ticket) -> "asyncio.Future[None] | None":
+        """The synchronous half of `acquire`: None when the ticket is dispatched at once
+        (nothing waits and there is room); else a future to pass to `wait`, or to `abandon`
+        if the caller gives up before waiting. Raises QueueFull or DeadlineExceeded."""
         now = self._clock()
         if ticket.deadline <= now:
             raise DeadlineExceeded(ticket.request_id, ticket.deadline, 0.0)
         if len(self._queue) == 0 and self._num_unclaimed == 0 and self._has_room():
             self._num_dispatched += 1
-            return
+            return None
         self._queue.push(ticket)
         loop = asyncio.get_running_loop()
         timer = None
@@ -274,15 +282,19 @@ class AdmissionController:
         future: asyncio.Future[None] = loop.create_future()
         self._waiters[ticket.request_id] = _Waiter(ticket, future, timer)
         self._dispatch()
+        return future
+
+    async def wait(self, ticket: Ticket, future: "asyncio.Future[None]") -> None:
+        """Wait for a ticket `enqueue` queued; cancelling the wait leaves the queue."""
         try:
             await future
         except asyncio.CancelledError:
-            self._abandon(ticket, future)
+            self.abandon(ticket, future)
             raise
         self._num_unclaimed -= 1
         self._num_dispatched += 1
         # Runs after this task's current step, i.e. after the caller took its capacity.
-        loop.call_soon(self._dispatch)
+        asyncio.get_running_loop().call_soon(self._dispatch)
 
     def release(self) -> None:
         """A dispatched request finished (its capacity is back): dispatch what fits."""
@@ -332,7 +344,9 @@ class AdmissionController:
                 DeadlineExceeded(ticket.request_id, ticket.deadline, waited_s)
             )
 
-    def _abandon(self, ticket: Ticket, future: asyncio.Future[None]) -> None:
+    def abandon(self, ticket: Ticket, future: "asyncio.Future[None]") -> None:
+        """The ticket's caller gave up before (or while) waiting: leave the queue, or pass
+        on a turn that was given and will not be used. Call it at most once per ticket."""
         waiter = self._waiters.pop(ticket.request_id, None)
         if waiter is not None:  # still waiting: leave the queue
             if waiter.timer is not None:

@@ -28,6 +28,8 @@ class WorkerView:
     kv_total_tokens: int  # 0 when unknown (e.g. an external OpenAI-compatible server)
     inflight: int  # requests this gateway has sent there and not finished
     max_inflight: int  # this gateway's cap per worker
+    max_model_len: int | None = None  # from /load; None: not reported
+    vocab_size: int | None = None  # from /load; None: not reported
 
 
 def prefix_key(text_or_tokens_prefix: str | list[int], num_chars: int = 512) -> bytes:

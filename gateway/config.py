@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+from workers.api import RequestLimits
+
 
 @dataclass
 class GatewayConfig:
@@ -28,7 +30,15 @@ class GatewayConfig:
     retry_after_jitter_s: float = 1.0
     dispatch_attempts: int = 3  # tries across replicas before the first token
     worker_retry_after_cap_s: float = 2.0  # longest a worker's Retry-After is honoured
-    sse_heartbeat_s: float = 5.0
+    sse_heartbeat_s: float = 5.0  # SSE comment while a stream waits; refusals before: real status
+    first_byte_timeout_s: float = 10.0  # a streaming worker that sends no status by then is hung
+    stream_idle_timeout_s: float = 30.0  # a stream silent this long (heartbeats count) is cut
+    body_timeout_s: float = 10.0  # a request body must arrive within this (slow clients: 408)
+    header_timeout_s: float = 10.0  # a connection must send its request head within this
+    keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
+    shutdown_grace_s: float = 30.0  # after SIGTERM, requests still running then are cancelled
+    # Bounds on what one request may ask (stop strings, logprobs, messages, nesting, ...).
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
     # The cascade router for `model: auto` (both pools set = enabled).
     cascade_small_pool: str | None = None
     cascade_large_pool: str | None = None

@@ -7,7 +7,6 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 from prometheus_client import CollectorRegistry
 
 from gateway.config import GatewayConfig
@@ -17,6 +16,7 @@ from gateway.routing import Router
 from gateway.tokens import PromptCounter
 from quota.limiter import QuotaLimiter, Reservation
 from quota.store import TenantStore
+from workers.api import WorkerClient
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class Gateway:
     limiter: QuotaLimiter
     pools: dict[str, Pool]
     counter: PromptCounter
-    client: httpx.AsyncClient
+    workers: WorkerClient  # the one client for every worker of every pool
     registry: CollectorRegistry
     redis: Any  # redis.asyncio.Redis
     rng: random.Random = field(default_factory=random.Random)
@@ -43,11 +43,16 @@ class Gateway:
         """Prefix-cache namespace per tenant: one tenant's cached prompts never serve another."""
         return hashlib.blake2b(tenant_id.encode(), digest_size=8).hexdigest()
 
-    def reconcile_later(self, reservation: Reservation, actual_tokens: int) -> None:
-        """Reconcile outside the request's (possibly cancelled) task, exactly once."""
-        task = asyncio.ensure_future(self._reconcile(reservation, actual_tokens))
+    def spawn(self, coro) -> asyncio.Task:  # noqa: ANN001 (any coroutine)
+        """Run `coro` outside the caller's (possibly cancelled) task; awaited at shutdown."""
+        task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
+
+    def reconcile_later(self, reservation: Reservation, actual_tokens: int) -> None:
+        """Reconcile outside the request's (possibly cancelled) task, exactly once."""
+        self.spawn(self._reconcile(reservation, actual_tokens))
 
     async def _reconcile(self, reservation: Reservation, actual_tokens: int) -> None:
         try:
@@ -55,6 +60,9 @@ class Gateway:
         except Exception:
             log.exception("reconcile failed for %s", reservation.request_id)
 
-    async def drain_background(self) -> None:
+    async def drain_background(self, timeout_s: float = 10.0) -> None:
+        """Wait for background work (reconciles, closes), at most `timeout_s`."""
         if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+            done, pending = await asyncio.wait(set(self._background), timeout=timeout_s)
+            if pending:
+                log.warning("shutdown: %d background tasks unfinished", len(pending))

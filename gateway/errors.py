@@ -8,6 +8,8 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
 from gateway.admission import DeadlineExceeded, QueueFull
+from gateway.dispatch import Refused
+from gateway.lease import NoReplica
 from quota.errors import (
     InvalidLimits,
     QuotaExceeded,
@@ -15,7 +17,7 @@ from quota.errors import (
     TenantExists,
     TenantNotFound,
 )
-from workers.api import ApiError
+from workers.api import ApiError, parse_error
 
 
 def retry_headers(seconds: float) -> dict[str, str]:
@@ -66,6 +68,14 @@ def to_api_error(exc: Exception, rng: random.Random) -> ApiError:
             code="deadline_exceeded",
             retry_after_s=jitter(1.0, rng),
         )
+    if isinstance(exc, NoReplica | Refused):
+        return ApiError(
+            503,
+            f"no replica could serve the request: {exc}",
+            type="server_error",
+            code="upstream_unavailable",
+            retry_after_s=jitter(getattr(exc, "retry_after_s", 1.0), rng),
+        )
     if isinstance(exc, TenantNotFound):
         return ApiError(
             404, str(exc) or "unknown tenant", param="tenant_id", code="tenant_not_found"
@@ -78,6 +88,17 @@ def to_api_error(exc: Exception, rng: random.Random) -> ApiError:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return ApiError(exc.status_code, str(exc.detail), type=kind)
     return ApiError(500, "internal error", type="server_error")
+
+
+def upstream_error(status: int, content: bytes) -> ApiError:
+    """A worker's answer that is not a success and not retried (the request's own fault, or
+    an internal error of that request): relayed with its status and, where it is
+    OpenAI-shaped, its error."""
+    info = parse_error(content)
+    if info is None:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return ApiError(status, f"the model server answered {status}", type=kind)
+    return ApiError(status, info.message, type=info.type, param=info.param, code=info.code)
 
 
 def error_response(err: ApiError, extra_headers: dict[str, str] | None = None) -> Response:
@@ -97,7 +118,7 @@ def exception_handlers(rng: random.Random) -> dict[Any, Any]:
     def handle(request: Request, exc: Exception) -> Response:
         err = to_api_error(exc, rng)
         if err.status >= 500 and not isinstance(
-            exc, ApiError | QuotaUnavailable | QueueFull | DeadlineExceeded
+            exc, ApiError | QuotaUnavailable | QueueFull | DeadlineExceeded | NoReplica | Refused
         ):
             log.exception("unhandled error on %s", request.url.path)
         return error_response(err)

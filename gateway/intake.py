@@ -1,44 +1,33 @@
-"""Turning an HTTP request into a validated, priced, routed `Prepared` request."""
+"""From an HTTP request to a `Plan`: authenticate the key, decode the body once, then
+route, count and bound it with the pure functions of `gateway.plan`."""
 
 import hashlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 from litestar import Request
 
-from cascade.policy import EscalationSettings, escalation_for
-from gateway.balancer import prefix_key
+from cascade.policy import escalation_for
+from gateway.config import GatewayConfig
 from gateway.context import Gateway
+from gateway.plan import (
+    GatewayChatRequest,
+    GatewayCompletionRequest,
+    Plan,
+    PublicRequest,
+    affinity_of,
+    check_context,
+    client_logprobs,
+    max_tokens_of,
+    timeout_of,
+)
 from quota.limiter import RateLimitState
 from quota.models import Tenant
-from workers.api import ApiError
+from workers.api import ApiError, check_json_depth, check_request, decode_request
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Prepared:
-    """A validated request, ready to reserve and queue."""
-
-    request_id: str
-    tenant: Tenant
-    pool: str
-    route: str
-    body: dict[str, Any]
-    stream: bool
-    wants_usage: bool
-    prompt_tokens: int
-    max_tokens: int
-    affinity: bytes | None
-    deadline: float
-    score: float | None = None  # auto routing only
-    threshold: float | None = None
-    escalation: EscalationSettings | None = None  # set when an unsure small answer re-runs
-    client_logprobs: bool = False
 
 
 def ratelimit_headers(state: RateLimitState | None) -> dict[str, str]:
@@ -93,97 +82,57 @@ async def authenticate_key(gw: Gateway, request: Request) -> tuple[str | None, T
     return found[0].key_id, found[1]
 
 
-def _int_field(body: dict[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if (
-        not isinstance(value, int)
-        or isinstance(value, bool)
-        or value < lo
-        or (hi is not None and value > hi)
-    ):
-        bound = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
-        raise ApiError(400, f"{name} must be an integer {bound}", param=name)
-    return value
+def decode(raw: bytes, chat: bool, cfg: GatewayConfig) -> PublicRequest:
+    """The body as a typed request, or a 4xx naming what is wrong: size first, then nesting
+    depth (before any parser recurses), then types, then bounds that need no model."""
+    if len(raw) > cfg.max_body_bytes:
+        raise ApiError(
+            413, f"request body over {cfg.max_body_bytes} bytes", code="request_too_large"
+        )
+    check_json_depth(raw, cfg.request_limits.max_json_depth)
+    req = decode_request(raw, GatewayChatRequest if chat else GatewayCompletionRequest)
+    check_request(req, cfg.request_limits, vocab_size=None, max_model_len=None)
+    if req.switchyard_threshold is not None and not 0 <= req.switchyard_threshold <= 1:
+        raise ApiError(
+            400, "switchyard_threshold must be between 0 and 1", param="switchyard_threshold"
+        )
+    return req
 
 
 def prepare(
     gw: Gateway,
     tenant: Tenant,
     key_id: str | None,
-    raw: bytes,
+    req: PublicRequest,
     chat: bool,
     timeout_header: str | None,
-) -> Prepared:
-    """Validate and price a request body; for `auto`, also decide its pool."""
+) -> Plan:
+    """Route, count, bound and price a decoded request (pure decisions, fed by the
+    tokenizers, the router and the pools' reported limits)."""
     cfg = gw.config
-    if len(raw) > cfg.max_body_bytes:
-        raise ApiError(
-            413, f"request body over {cfg.max_body_bytes} bytes", code="request_too_large"
-        )
-    try:
-        body = msgspec.json.decode(raw) if raw else None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise ApiError(400, "model is required (a pool name or `auto`)", param="model")
-    route = "forced"
-    pool = model
-    if model == "auto" and gw.router is None:
-        if cfg.default_pool is None:
+    timeout_s = timeout_of(timeout_header, cfg.request_timeout_s)
+    max_tokens = max_tokens_of(req, cfg.default_max_tokens, cfg.max_tokens_cap)
+    pool, route, decision = req.model, "forced", None
+    if req.model == "auto":
+        if gw.router is not None:
+            decision = _decide(gw, tenant, key_id, req, max_tokens)
+            pool, route = decision.pool, decision.route
+        elif cfg.default_pool is not None:
+            pool, route = cfg.default_pool, "fallback"
+        else:
             raise ApiError(
                 404,
                 "model `auto` is not configured on this gateway",
                 param="model",
                 code="model_not_found",
             )
-        pool, route = cfg.default_pool, "fallback"
-    if model != "auto" and pool not in gw.pools:
+    if pool not in gw.pools:
         raise ApiError(
             404,
-            f"unknown model {model!r}; try one of {sorted(gw.pools)}",
+            f"unknown model {req.model!r}; try one of {sorted(gw.pools)}",
             param="model",
             code="model_not_found",
         )
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "stream must be a boolean", param="stream")
-    name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-    max_tokens = _int_field(body, name, 1, cfg.max_tokens_cap)
-    if max_tokens is None:
-        max_tokens = cfg.default_max_tokens
-        body["max_tokens"] = max_tokens
-    if chat:
-        messages = body.get("messages")
-        if (
-            not isinstance(messages, list)
-            or not messages
-            or not all(isinstance(m, dict) for m in messages)
-        ):
-            raise ApiError(400, "messages must be a non-empty list of objects", param="messages")
-        prompt_tokens = gw.counter.chat(pool, messages)
-        first = messages[0].get("content") if messages[0].get("role") == "system" else None
-        affinity = prefix_key(first) if isinstance(first, str) and first else None
-    else:
-        prompt = body.get("prompt")
-        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
-            raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
-        prompt_tokens = gw.counter.completion(pool, prompt)
-        affinity = (
-            prefix_key(prompt if isinstance(prompt, str) else prompt[:256]) if prompt else None
-        )
-    decision = None
-    if model == "auto" and gw.router is not None:
-        decision = _decide(gw, tenant, key_id, body, chat, max_tokens)
-        pool, route = decision.pool, decision.route
-        if chat:
-            prompt_tokens = gw.counter.chat(pool, body["messages"])
-        else:
-            prompt_tokens = gw.counter.completion(pool, body["prompt"])
     if tenant.allowed_models and pool not in tenant.allowed_models:
         raise ApiError(
             403,
@@ -191,72 +140,45 @@ def prepare(
             param="model",
             code="model_not_allowed",
         )
-    limit = tenant.limits.max_context
-    if limit is not None and prompt_tokens + max_tokens > limit:
-        raise ApiError(
-            400,
-            f"prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds this key's "
-            f"context limit of {limit}",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    timeout = cfg.request_timeout_s
-    if timeout_header:
-        try:
-            timeout = min(float(timeout_header), cfg.request_timeout_s)
-        except ValueError:
-            raise ApiError(400, "x-request-timeout must be a number of seconds") from None
-    client_logprobs = body.get("logprobs") is True if chat else body.get("logprobs") is not None
+    vocab_size, model_len = gw.pools[pool].model_limits()
+    check_request(req, cfg.request_limits, vocab_size=vocab_size, max_model_len=model_len)
+    if isinstance(req, GatewayChatRequest):
+        prompt_tokens = gw.counter.chat(pool, req.messages)
+    else:
+        prompt_tokens = gw.counter.completion(pool, req.prompt)
+    check_context(prompt_tokens, max_tokens, tenant.limits.max_context, model_len)
     escalation = None
     if decision is not None and decision.route == "classifier" and pool == gw.router.small_pool:
         chosen = escalation_for(gw.router.settings, tenant.tenant_id)
-        if chosen.enabled and not stream:
+        if chosen.enabled and not req.stream:
             escalation = chosen
-            if chat:
-                body["logprobs"] = True
-            elif body.get("logprobs") is None:
-                body["logprobs"] = 0
-    wants_usage = bool(
-        isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage")
-    )
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    body["model"] = pool
-    body["cache_salt"] = gw.cache_salt(tenant.tenant_id)
-    return Prepared(
+    return Plan(
         request_id=f"gw-{uuid.uuid4().hex}",
-        tenant=tenant,
+        tenant_id=tenant.tenant_id,
         pool=pool,
         route=route,
-        body=body,
-        stream=stream,
-        wants_usage=wants_usage,
+        chat=chat,
+        stream=req.stream,
+        wants_usage=bool(req.stream_options and req.stream_options.include_usage),
+        client_logprobs=client_logprobs(req),
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
-        affinity=affinity,
-        deadline=time.monotonic() + timeout,
+        deadline=time.monotonic() + timeout_s,
+        affinity=affinity_of(req),
         score=decision.score if decision else None,
         threshold=decision.threshold if decision else None,
         escalation=escalation,
-        client_logprobs=client_logprobs,
     )
 
 
-def _decide(
-    gw: Gateway,
-    tenant: Tenant,
-    key_id: str | None,
-    body: dict[str, Any],
-    chat: bool,
-    max_tokens: int,
-):
+def _decide(gw: Gateway, tenant: Tenant, key_id: str | None, req: PublicRequest, max_tokens: int):
     """The cascade's choice for an `auto` request, with the large pool's pressure."""
     router = gw.router
     large = gw.pools[router.large_pool]
-    messages = body["messages"] if chat else None
-    prompt = "" if chat else (body["prompt"] if isinstance(body["prompt"], str) else "")
-    raw = body.pop("switchyard_threshold", None)
-    threshold = raw if isinstance(raw, int | float) and 0 <= raw <= 1 else None
+    if isinstance(req, GatewayChatRequest):
+        messages, prompt = [msgspec.structs.asdict(m) for m in req.messages], ""
+    else:
+        messages, prompt = None, req.prompt if isinstance(req.prompt, str) else ""
     return router.decide(
         tenant.tenant_id,
         tenant.allow_overflow,
@@ -265,6 +187,6 @@ def _decide(
         max_tokens,
         large.estimated_wait_s(),
         len(large.queue) >= large.queue_config.max_requests,
-        request_threshold=threshold,
+        request_threshold=req.switchyard_threshold,
         key_threshold=router.settings.key_thresholds.get(key_id) if key_id else None,
     )

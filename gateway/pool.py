@@ -4,14 +4,11 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
-import httpx
-import msgspec
-
-from gateway.admission import AdmissionController, FairQueue, QueueConfig, Ticket
+from gateway.admission import AdmissionController, FairQueue, QueueConfig
 from gateway.balancer import WorkerView, choose_worker, has_room
-from workers.api import LoadReport
+from workers.api import WorkerClient
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +20,7 @@ class Pool:
         self,
         name: str,
         urls: list[str],
-        client: httpx.AsyncClient,
+        client: WorkerClient,
         queue_config: QueueConfig,
         max_inflight_per_worker: int,
         clock: Callable[[], float] = time.monotonic,
@@ -49,6 +46,7 @@ class Pool:
         self._finished: deque[float] = deque(maxlen=512)  # when requests finished, for rates
         self.controller = AdmissionController(self.queue, self.has_room, clock)
         self._reported: dict[str, str] = {}
+        self._lost: dict[str, asyncio.Event] = {}
 
     def has_room(self) -> bool:
         return any(has_room(v) for v in self.views.values())
@@ -56,23 +54,30 @@ class Pool:
     def choose(self, affinity: bytes | None, exclude: set[str]) -> WorkerView | None:
         return choose_worker(list(self.views.values()), affinity, exclude)
 
-    async def admit(self, ticket: Ticket, affinity: bytes | None) -> WorkerView | None:
-        """Wait for the ticket's turn, then claim a worker in the same step (so the queue
-        sees the capacity taken before it dispatches the next ticket). None: room vanished
-        between dispatch and choice; the dispatcher retries."""
-        await self.controller.acquire(ticket)
-        view = self.choose(affinity, set())
+    # Slots and completions are the Lease's (gateway/lease.py) to claim and record; nothing
+    # else in the gateway touches a worker's in-flight count.
+
+    def claim_slot(self, affinity: bytes | None, exclude: Collection[str]) -> WorkerView | None:
+        """Count one request in flight on the best worker not in `exclude`; None: no room."""
+        view = self.choose(affinity, set(exclude))
         if view is not None:
-            self.begin(view)
+            view.inflight += 1
         return view
 
-    def begin(self, view: WorkerView) -> None:
-        view.inflight += 1
-
-    def end(self, view: WorkerView) -> None:
+    def free_slot(self, view: WorkerView) -> None:
         view.inflight = max(view.inflight - 1, 0)
+
+    def record_completion(self) -> None:
+        """A request was served: the completion rate behind `estimated_wait_s`."""
         self._finished.append(self.clock())
-        self.controller.release()
+
+    def lost(self, url: str) -> asyncio.Event:
+        """Set while the worker at `url` is unreachable or stalled: requests waiting on it
+        for an answer stop waiting (none of the answer reached the client) and retry."""
+        event = self._lost.get(url)
+        if event is None:
+            event = self._lost[url] = asyncio.Event()
+        return event
 
     def estimated_wait_s(self, window_s: float = 10.0) -> float:
         """Seconds a request entering the queue now would wait: the requests ahead of it
@@ -97,34 +102,37 @@ class Pool:
         self.controller.kick()
 
     async def _refresh_one(self, view: WorkerView) -> None:
-        try:
-            r = await self.client.get(f"{view.url}/load", timeout=1.0)
-            report = (
-                msgspec.json.decode(r.content, type=LoadReport) if r.status_code == 200 else None
-            )
-        except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError):
-            report = None
+        report = await self.client.load(view.url)
         if report is None:
-            state = "unreachable"
-            try:
-                # An OpenAI-compatible server without /load (vLLM, TGI): alive = ready.
-                h = await self.client.get(f"{view.url}/health", timeout=1.0)
-                state = "ready" if h.status_code == 200 else "unreachable"
-            except httpx.HTTPError:
-                pass
-            self._set_state(view, state)
+            # An OpenAI-compatible server without /load (vLLM, TGI): alive = ready.
+            alive = await self.client.alive(view.url)
+            self._set_state(view, "ready" if alive else "unreachable")
             return
         view.num_running = report.num_running
         view.num_waiting = report.num_waiting
         view.kv_free_tokens = report.kv_free_tokens
         view.kv_total_tokens = report.kv_total_tokens
+        view.max_model_len = report.max_model_len or None
+        view.vocab_size = report.vocab_size
         self._set_state(view, report.state)
+
+    def model_limits(self) -> tuple[int | None, int | None]:
+        """(vocabulary size, context length) every reporting member accepts: the smallest
+        reported of each; None where no member reports one."""
+        vocab = [v.vocab_size for v in self.views.values() if v.vocab_size]
+        ctx = [v.max_model_len for v in self.views.values() if v.max_model_len]
+        return (min(vocab) if vocab else None, min(ctx) if ctx else None)
 
     def _set_state(self, view: WorkerView, state: str) -> None:
         if self._reported.get(view.url) != state:
             log.info("pool %s: worker %s is %s", self.name, view.url, state)
             self._reported[view.url] = state
         view.state = state
+        lost = self.lost(view.url)
+        if state in ("unreachable", "stalled"):
+            lost.set()
+        elif lost.is_set():
+            self._lost[view.url] = asyncio.Event()  # waiters on the old event were told
 
     def snapshot(self) -> list[dict]:
         return [

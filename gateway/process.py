@@ -20,12 +20,14 @@ from gateway.app import create_gateway_app
 from gateway.config import GatewayConfig
 from gateway.context import Gateway
 from gateway.embedded_redis import EmbeddedRedis
+from gateway.http_server import server_config
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool
 from gateway.routing import Router, RoutingMetrics
 from gateway.tokens import PromptCounter, load_tokenizer
 from quota.limiter import FailurePolicy, QuotaLimiter
 from quota.store import TenantStore
+from workers.api import WorkerClient
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,10 @@ def build_gateway(
     )
     registry = CollectorRegistry()
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=2.0), limits=limits)
+    # Whole-request timeouts are the request's deadline (dispatch) and the stream's idle
+    # bound (relay); httpx's own read timeout is only a backstop.
+    http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=2.0), limits=limits)
+    workers = WorkerClient(http, first_byte_timeout_s=config.first_byte_timeout_s)
     queue = QueueConfig(
         max_requests=config.queue_max_requests,
         max_tokens=config.queue_max_tokens,
@@ -64,7 +69,7 @@ def build_gateway(
         retry_after_jitter_s=config.retry_after_jitter_s,
     )
     pools = {
-        name: Pool(name, urls, client, queue, config.max_inflight_per_worker)
+        name: Pool(name, urls, workers, queue, config.max_inflight_per_worker)
         for name, urls in config.pools.items()
     }
     tokenizers = {pool: load_tokenizer(path) for pool, path in config.tokenizers.items()}
@@ -83,7 +88,7 @@ def build_gateway(
         limiter=QuotaLimiter(redis, policy, registry),
         pools=pools,
         counter=PromptCounter(tokenizers),
-        client=client,
+        workers=workers,
         registry=registry,
         redis=redis,
         rng=rng or random.Random(),
@@ -143,7 +148,15 @@ def serve_gateway(config: GatewayConfig, host: str, port: int) -> None:
         {k: len(v) for k, v in config.pools.items()},
     )
     try:
-        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
+        server_cfg = server_config(
+            app,
+            host,
+            port,
+            header_timeout_s=config.header_timeout_s,
+            keep_alive_timeout_s=config.keep_alive_timeout_s,
+            shutdown_grace_s=config.shutdown_grace_s,
+        )
+        uvicorn.Server(server_cfg).run()
     finally:
         if embedded is not None:
             embedded.close()

@@ -1,5 +1,11 @@
-"""The public request flow: authenticate, validate, reserve tokens, queue, dispatch, relay,
-reconcile. Every path that reserved tokens reconciles them exactly once."""
+"""The public request flow: authenticate, decode, plan, reserve, queue, dispatch, relay,
+reconcile. After the reservation, a `Flight` owns the request and settles it once.
+
+Refusals that happen before any token (quota, validation, a full queue, no replica) get
+their real HTTP status, streaming or not. A stream that has waited longer than one
+heartbeat interval for its first byte is committed (200, `: queued` comments), and
+whatever fails after that is reported in-band.
+"""
 
 import asyncio
 import logging
@@ -10,23 +16,16 @@ import msgspec
 from litestar import Request, Response
 
 from cascade.policy import should_escalate
-from gateway.admission import Ticket
 from gateway.context import Gateway
-from gateway.errors import error_response, to_api_error
-from gateway.intake import Prepared, authenticate_key, prepare, ratelimit_headers
-from gateway.relay import Attempt, Dispatcher, WorkerRefused, relay_events
-from quota.limiter import Reservation
-from workers.api import ApiError, EventStream
+from gateway.dispatch import send_attempt
+from gateway.errors import error_response, to_api_error, upstream_error
+from gateway.flight import Attempt, Flight, FlightStream
+from gateway.intake import authenticate_key, decode, prepare, ratelimit_headers
+from gateway.plan import Plan, upstream_body
+from gateway.relay import DONE, StreamTimeout, relay
+from workers.api import ApiError, EventStream, parse_summary
 
 log = logging.getLogger(__name__)
-
-
-def _charge(prep: Prepared, attempt: Attempt, dispatched: bool) -> int:
-    """Tokens to charge: the worker's usage; else the prompt plus what was generated once
-    dispatched (a client that left after dispatch still pays its prompt); else nothing."""
-    if attempt.usage_seen:
-        return (attempt.prompt_tokens or prep.prompt_tokens) + attempt.completion_tokens
-    return prep.prompt_tokens + attempt.completion_tokens if dispatched else 0
 
 
 async def handle(gw: Gateway, request: Request, chat: bool) -> Response | EventStream:
@@ -48,130 +47,239 @@ async def handle(gw: Gateway, request: Request, chat: bool) -> Response | EventS
                 gw.metrics.latency.labels(labels[0]).observe(time.perf_counter() - t0)
 
 
+async def read_body(request: Request, timeout_s: float) -> bytes:
+    """The whole request body, within `timeout_s` (a client trickling it is refused)."""
+    try:
+        return await asyncio.wait_for(request.body(), timeout_s)
+    except TimeoutError:
+        raise ApiError(
+            408, f"the request body did not arrive within {timeout_s:g} s", code="timeout"
+        ) from None
+
+
 async def _handle(
     gw: Gateway, request: Request, chat: bool, labels: list[str]
 ) -> Response | EventStream:
     key_id, tenant = await authenticate_key(gw, request)
+    req = decode(await read_body(request, gw.config.body_timeout_s), chat, gw.config)
     if gw.router is not None:
         await gw.router.refresh()
-    prep = prepare(
-        gw, tenant, key_id, await request.body(), chat, request.headers.get("x-request-timeout")
-    )
-    labels[:] = [prep.pool, prep.route]
-    cost = prep.prompt_tokens + prep.max_tokens
-    reservation, state = await gw.limiter.reserve(tenant, prep.request_id, cost)
+    plan = prepare(gw, tenant, key_id, req, chat, request.headers.get("x-request-timeout"))
+    labels[:] = [plan.pool, plan.route]
+    reservation, state = await gw.limiter.reserve(tenant, plan.request_id, plan.reserve_tokens)
     headers = {
-        "x-request-id": prep.request_id,
-        "x-switchyard-model": prep.pool,
-        "x-switchyard-route": prep.route,
+        "x-request-id": plan.request_id,
+        "x-switchyard-model": plan.pool,
+        "x-switchyard-route": plan.route,
         **ratelimit_headers(state),
     }
-    if prep.score is not None:
-        headers["x-switchyard-score"] = f"{prep.score:.4f}"
-        headers["x-switchyard-threshold"] = f"{prep.threshold:.4f}"
-    pool = gw.pools[prep.pool]
-    ticket = Ticket(prep.request_id, tenant.tenant_id, cost, time.monotonic(), prep.deadline)
-    admitted = asyncio.ensure_future(pool.admit(ticket, prep.affinity))
-    if gw.metrics is not None:
-        wait = gw.metrics.queue_wait.labels(prep.pool)
-        admitted.add_done_callback(lambda _: wait.observe(time.monotonic() - ticket.enqueued_at))
-    await asyncio.sleep(0)  # a full queue refuses at once, before any response starts
-    if admitted.done() and admitted.exception() is not None:
-        gw.reconcile_later(reservation, 0)
-        return error_response(to_api_error(admitted.exception(), gw.rng), headers)
-    path = "/v1/chat/completions" if chat else "/v1/completions"
-    payload = msgspec.json.encode(prep.body)
-    if prep.stream:
-        events = _stream(gw, prep, reservation, admitted, path, payload)
-        return EventStream(events, headers={**headers, "cache-control": "no-cache"})
-    return await _json(gw, prep, reservation, admitted, path, payload, headers)
-
-
-async def _send_json(
-    gw, pool_name: str, prep: Prepared, admitted, path, payload, charges
-) -> httpx.Response:
-    """Wait for the admission, send, and append what this attempt costs to `charges`."""
-    attempt = Attempt()
-    dispatched = False
-    pool = gw.pools[pool_name]
+    if plan.score is not None:
+        headers["x-switchyard-score"] = f"{plan.score:.4f}"
+        headers["x-switchyard-threshold"] = f"{plan.threshold:.4f}"
+    flight = Flight(gw, plan, req, reservation)
     try:
-        attempt.claimed = await admitted
-        dispatched = True
-        dispatcher = Dispatcher(
-            pool, gw.config.dispatch_attempts, gw.config.worker_retry_after_cap_s, gw.rng
-        )
-        return await dispatcher.post_json(path, payload, prep.affinity, attempt)
-    finally:
-        _finish(pool, attempt, dispatched, admitted)
-        charges.append(_charge(prep, attempt, dispatched))
-
-
-async def _json(gw, prep, reservation, admitted, path, payload, headers) -> Response:
-    charges: list[int] = []
-    try:
-        r = await _send_json(gw, prep.pool, prep, admitted, path, payload, charges)
-        content = r.content
-        if r.status_code == 200 and prep.escalation is not None:
-            content = await _maybe_escalate(gw, prep, r.json(), path, headers, charges)
-        return Response(
-            content=content,
-            status_code=r.status_code,
-            headers=headers,
-            media_type="application/json",
-        )
-    except (WorkerRefused, httpx.HTTPError) as exc:
-        err = ApiError(
-            503,
-            f"no replica of {prep.pool} could serve the request: {exc}",
-            type="server_error",
-            code="upstream_unavailable",
-            retry_after_s=1.0 + gw.rng.random(),
-        )
-        return error_response(err, headers)
+        attempt = flight.attempt(plan.pool)
+        if plan.stream:
+            return await _stream_response(gw, request, flight, attempt, headers)
+        return await _json_response(gw, request, flight, attempt, headers)
+    except asyncio.CancelledError:
+        flight.finish()
+        raise
     except Exception as exc:
+        flight.finish()
         return error_response(to_api_error(exc, gw.rng), headers)
-    finally:
-        gw.reconcile_later(reservation, sum(charges))
 
 
-async def _maybe_escalate(
-    gw, prep: Prepared, small: dict, path: str, headers: dict, charges
-) -> bytes:
-    """Re-run on the large pool when the small model's answer is unsure; both attempts are
-    charged. Returns the body to send (logprobs removed unless the client asked)."""
-    router = gw.router
-    answer = small
-    if should_escalate(token_logprobs(small), prep.escalation):
-        large = router.large_pool
-        cost = prep.prompt_tokens + prep.max_tokens
-        ticket = Ticket(
-            prep.request_id + "-escalated",
-            prep.tenant.tenant_id,
-            cost,
-            time.monotonic(),
-            prep.deadline,
-        )
-        admitted = asyncio.ensure_future(gw.pools[large].admit(ticket, prep.affinity))
-        body = {**prep.body, "model": large}
-        if not prep.client_logprobs:
-            body.pop("logprobs", None)
-            body.pop("top_logprobs", None)
+def _path(plan: Plan) -> str:
+    return "/v1/chat/completions" if plan.chat else "/v1/completions"
+
+
+async def _open(
+    gw: Gateway, flight: Flight, attempt: Attempt, body: bytes, stream: bool
+) -> httpx.Response:
+    """Wait for the attempt's turn, then send it (with retries across replicas)."""
+    await attempt.lease.wait()
+    upstream = await send_attempt(
+        gw.workers,
+        attempt.lease,
+        _path(flight.plan),
+        body,
+        stream=stream,
+        attempts=gw.config.dispatch_attempts,
+        retry_cap_s=gw.config.worker_retry_after_cap_s,
+        rng=gw.rng,
+    )
+    flight.track(attempt, upstream)
+    return upstream
+
+
+async def _relayed_error(upstream: httpx.Response, headers: dict[str, str]) -> Response:
+    """A worker's refusal of the request itself (4xx, 500), with its status."""
+    content = await upstream.aread()
+    return error_response(upstream_error(upstream.status_code, content), headers)
+
+
+# -- streaming ------------------------------------------------------------------------------
+
+
+async def _stream_response(
+    gw: Gateway, request: Request, flight: Flight, attempt: Attempt, headers: dict[str, str]
+) -> Response | EventStream:
+    body = upstream_body(flight.req, flight.plan, gw.cache_salt(flight.plan.tenant_id))
+    opening = asyncio.ensure_future(_open(gw, flight, attempt, body, stream=True))
+    try:
+        done, _ = await asyncio.wait({opening}, timeout=gw.config.sse_heartbeat_s)
+    except asyncio.CancelledError:
+        opening.cancel()
+        raise
+    sse_headers = {**headers, "cache-control": "no-cache"}
+    if not done:  # commit now: heartbeats while it waits, failures in-band
+        events = _events_after(gw, flight, attempt, opening)
+        return EventStream(FlightStream(flight, events), headers=sse_headers)
+    upstream = opening.result()  # a refusal raises: the caller answers with its status
+    if upstream.status_code != 200:
+        response = await _relayed_error(upstream, headers)
+        flight.finish()
+        return response
+    events = _relay_events(gw, flight, attempt, upstream)
+    return EventStream(FlightStream(flight, events), headers=sse_headers)
+
+
+async def _events_after(gw: Gateway, flight: Flight, attempt: Attempt, opening: asyncio.Future):
+    try:
+        while not opening.done():
+            done, _ = await asyncio.wait({opening}, timeout=gw.config.sse_heartbeat_s)
+            if not done:
+                yield b": queued\n\n"
         try:
-            r = await _send_json(
-                gw, large, prep, admitted, path, msgspec.json.encode(body), charges
+            upstream = opening.result()
+        except Exception as exc:
+            yield _error_event(to_api_error(exc, gw.rng))
+            return
+        if upstream.status_code != 200:
+            content = await upstream.aread()
+            yield _error_event(upstream_error(upstream.status_code, content))
+            return
+        async for event in _relay_events(gw, flight, attempt, upstream):
+            yield event
+    finally:
+        opening.cancel()
+
+
+async def _relay_events(gw: Gateway, flight: Flight, attempt: Attempt, upstream: httpx.Response):
+    plan = flight.plan
+    try:
+        async for event in relay(
+            upstream,
+            attempt.served,
+            plan.wants_usage,
+            plan.deadline,
+            gw.config.stream_idle_timeout_s,
+        ):
+            yield event
+    except (httpx.HTTPError, StreamTimeout) as exc:
+        url = attempt.lease.worker.url if attempt.lease.worker else "?"
+        log.warning("stream of %s from %s ended early: %r", plan.request_id, url, exc)
+        timeout = isinstance(exc, StreamTimeout)
+        yield _error_event(
+            ApiError(
+                504 if timeout else 502,
+                str(exc) if timeout else "the model server failed mid-stream",
+                type="server_error",
+                code="timeout" if timeout else "upstream_failed",
             )
-        except (WorkerRefused, httpx.HTTPError) as exc:
+        )
+
+
+def _error_event(err: ApiError) -> bytes:
+    return b"data: " + msgspec.json.encode(err.body()) + b"\n\n" + DONE
+
+
+# -- non-streaming ----------------------------------------------------------------------
+
+
+async def _json_response(
+    gw: Gateway, request: Request, flight: Flight, attempt: Attempt, headers: dict[str, str]
+) -> Response:
+    work = asyncio.ensure_future(_complete(gw, flight, attempt, headers))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()  # the client left: closing the upstream aborts the work there
+    try:
+        if work not in done:
+            flight.finish()
+            return error_response(ApiError(499, "client disconnected"), headers)
+        return work.result()
+    finally:
+        flight.finish()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _complete(
+    gw: Gateway, flight: Flight, attempt: Attempt, headers: dict[str, str]
+) -> Response:
+    plan = flight.plan
+    escalate = plan.escalation is not None
+    body = upstream_body(flight.req, plan, gw.cache_salt(plan.tenant_id), with_logprobs=escalate)
+    upstream = await _open(gw, flight, attempt, body, stream=False)
+    if upstream.status_code != 200:
+        return await _relayed_error(upstream, headers)
+    content = await upstream.aread()
+    summary = parse_summary(content)
+    if summary is not None and summary.usage is not None:
+        attempt.served.usage_prompt_tokens = summary.usage.prompt_tokens
+        attempt.served.usage_completion_tokens = summary.usage.completion_tokens
+    if escalate:
+        content = await _maybe_escalate(gw, flight, content, headers)
+    return Response(
+        content=content, status_code=200, headers=headers, media_type="application/json"
+    )
+
+
+async def _maybe_escalate(gw: Gateway, flight: Flight, content: bytes, headers: dict) -> bytes:
+    """Re-run on the large pool when the small model's answer is unsure (both attempts
+    were reserved and are charged). The body to send, logprobs removed unless asked."""
+    plan, router = flight.plan, gw.router
+    small = msgspec.json.decode(content)
+    answer = small
+    if should_escalate(token_logprobs(small), plan.escalation):
+        large = router.large_pool
+        body = upstream_body(
+            flight.req,
+            plan,
+            gw.cache_salt(plan.tenant_id),
+            pool=large,
+            with_logprobs=plan.client_logprobs,
+        )
+        try:
+            attempt = flight.attempt(large)
+            upstream = await _open(gw, flight, attempt, body, stream=False)
+            if upstream.status_code == 200:
+                large_content = await upstream.aread()
+                summary = parse_summary(large_content)
+                if summary is not None and summary.usage is not None:
+                    attempt.served.usage_prompt_tokens = summary.usage.prompt_tokens
+                    attempt.served.usage_completion_tokens = summary.usage.completion_tokens
+                answer = msgspec.json.decode(large_content)
+                changed = answer_text(answer) != answer_text(small)
+                router.metrics.escalations.labels("true" if changed else "false").inc()
+                headers["x-switchyard-model"] = large
+                headers["x-switchyard-route"] = "escalated"
+            else:
+                log.warning("escalation of %s refused (%d)", plan.request_id, upstream.status_code)
+        except Exception as exc:
             log.warning(
-                "escalation of %s failed, keeping the small answer: %r", prep.request_id, exc
+                "escalation of %s failed, keeping the small answer: %r", plan.request_id, exc
             )
-            r = None
-        if r is not None and r.status_code == 200:
-            answer = r.json()
-            changed = answer_text(answer) != answer_text(small)
-            router.metrics.escalations.labels("true" if changed else "false").inc()
-            headers["x-switchyard-model"] = large
-            headers["x-switchyard-route"] = "escalated"
-    if not prep.client_logprobs:
+    if not plan.client_logprobs:
         for choice in answer.get("choices", []):
             choice["logprobs"] = None
     return msgspec.json.encode(answer)
@@ -189,87 +297,3 @@ def token_logprobs(body: dict) -> list[float]:
 def answer_text(body: dict) -> str:
     choice = (body.get("choices") or [{}])[0]
     return choice.get("text") or (choice.get("message") or {}).get("content") or ""
-
-
-async def _stream(gw, prep: Prepared, reservation: Reservation, admitted, path, payload):
-    attempt = Attempt()
-    dispatched = False
-    pool = gw.pools[prep.pool]
-    upstream = None
-    try:
-        while not admitted.done():
-            done, _ = await asyncio.wait({admitted}, timeout=gw.config.sse_heartbeat_s)
-            if not done:
-                yield b": queued\n\n"
-        try:
-            attempt.claimed = admitted.result()
-        except Exception as exc:
-            yield _error_event(to_api_error(exc, gw.rng))
-            return
-        dispatched = True
-        dispatcher = Dispatcher(
-            pool, gw.config.dispatch_attempts, gw.config.worker_retry_after_cap_s, gw.rng
-        )
-        try:
-            upstream = await dispatcher.open_stream(path, payload, prep.affinity, attempt)
-        except (WorkerRefused, httpx.HTTPError) as exc:
-            yield _error_event(
-                ApiError(
-                    503,
-                    f"no replica of {prep.pool} could serve the request: {exc}",
-                    type="server_error",
-                    code="upstream_unavailable",
-                )
-            )
-            return
-        if upstream.status_code != 200:
-            yield _error_event_raw(await upstream.aread())
-            return
-        try:
-            async for event in relay_events(upstream, attempt, prep.wants_usage):
-                yield event
-        except httpx.HTTPError as exc:
-            log.warning(
-                "worker %s died mid-stream: %r", attempt.worker.url if attempt.worker else "?", exc
-            )
-            yield _error_event(
-                ApiError(
-                    502,
-                    "the model server failed mid-stream",
-                    type="server_error",
-                    code="upstream_failed",
-                )
-            )
-    finally:
-        if upstream is not None:
-            # Closing the connection is what tells the worker to abort; shielded because
-            # a disconnecting client cancels this generator.
-            try:
-                await asyncio.shield(upstream.aclose())
-            except asyncio.CancelledError:
-                pass
-        _finish(pool, attempt, dispatched, admitted)
-        gw.reconcile_later(reservation, _charge(prep, attempt, dispatched))
-
-
-def _finish(pool, attempt: Attempt, dispatched: bool, admitted: asyncio.Future) -> None:
-    """Give back the worker slot (or the queue's turn) this request held."""
-    if not admitted.done():
-        admitted.cancel()  # still queued: leave the queue
-    elif not dispatched and not admitted.cancelled() and admitted.exception() is None:
-        attempt.claimed = admitted.result()  # admitted, but the client left first
-        dispatched = True
-    if attempt.worker is not None:
-        pool.end(attempt.worker)
-    elif attempt.claimed is not None:
-        pool.end(attempt.claimed)
-    elif dispatched and not attempt.tried:
-        pool.controller.release()
-
-
-def _error_event(err: ApiError) -> bytes:
-    return b"data: " + msgspec.json.encode(err.body()) + b"\n\ndata: [DONE]\n\n"
-
-
-def _error_event_raw(body: bytes) -> bytes:
-    return b"data: " + body.strip() + b"\n\ndata: [DONE]\n\n"

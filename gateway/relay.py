@@ -1,181 +1,106 @@
-"""Sending a request to a pool member: retries before the first token, streaming relay.
+"""Relaying a worker's SSE stream to the client as bytes.
 
-A worker that refuses (429/503) or fails before answering is retried on another replica,
-honouring its Retry-After (capped) with jitter, a bounded number of times. Once a
-response has started, nothing is retried: a worker dying mid-stream becomes an in-band
-error event and `[DONE]`.
+Events are forwarded as received (never re-encoded), several per write when the worker
+sent several at once. Each `data:` event is read through the wire contract
+(`workers.api.StreamChunk`): the usage chunk is noted (and dropped unless the client
+asked for it), an output chunk counts one token (the worker's contract: one chunk per
+token) for the charge of a stream that is cut short, and an error event ends the relay
+after forwarding it. After `[DONE]` the rest of the upstream body is drained so its
+keep-alive connection is reused.
 """
 
-import json
-import logging
-import random
+import asyncio
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import httpx
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt
-from tenacity.wait import wait_base
 
-from gateway.balancer import WorkerView
-from gateway.pool import Pool
+from gateway.plan import Served
+from workers.api import parse_chunk
 
-log = logging.getLogger(__name__)
-
-_RELAYED_STATUS = {200, 400, 404, 413, 422}
+DONE = b"data: [DONE]\n\n"
 
 
-class WorkerRefused(Exception):
-    """No replica took the request this attempt; `retry_after_s` says when to try again."""
-
-    def __init__(self, message: str, retry_after_s: float = 0.05) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
+class StreamTimeout(Exception):
+    """The worker sent nothing for `idle_s`, or the request's deadline passed mid-stream."""
 
 
-class _WaitRetryAfter(wait_base):
-    """Wait what the refusing worker asked (capped), plus jitter."""
-
-    def __init__(self, cap_s: float, rng: random.Random) -> None:
-        self.cap_s = cap_s
-        self.rng = rng
-
-    def __call__(self, retry_state) -> float:  # noqa: ANN001 (tenacity's RetryCallState)
-        exc = retry_state.outcome.exception() if retry_state.outcome else None
-        base = exc.retry_after_s if isinstance(exc, WorkerRefused) else 0.05
-        return min(base, self.cap_s) * (1.0 + 0.5 * self.rng.random())
-
-
-@dataclass
-class Attempt:
-    """What the dispatch learned: who served and what it used."""
-
-    worker: WorkerView | None = None
-    prompt_tokens: int | None = None
-    completion_tokens: int = 0  # from usage, or chunks counted when the stream was cut
-    usage_seen: bool = False
-    tried: set[str] = field(default_factory=set)
-    claimed: WorkerView | None = None  # chosen and counted in flight at admission
-
-
-def _retry_after(r: httpx.Response) -> float:
+async def _next(it: AsyncIterator[bytes], deadline: float, idle_s: float) -> bytes | None:
+    """The upstream body's next raw piece (None at its end), awaited within the idle bound
+    and the deadline."""
+    wait_s = min(idle_s, deadline - time.monotonic())
+    if wait_s <= 0:
+        raise StreamTimeout("the request's deadline passed mid-stream")
     try:
-        return float(r.headers.get("retry-after", "0.2"))
-    except ValueError:
-        return 0.2
+        return await asyncio.wait_for(anext(it), wait_s)
+    except StopAsyncIteration:
+        return None
+    except TimeoutError:
+        raise StreamTimeout(f"the worker sent nothing for {wait_s:.1f} s") from None
 
 
-class Dispatcher:
-    """Retrying sender for one request against one pool."""
-
-    def __init__(self, pool: Pool, attempts: int, retry_cap_s: float, rng: random.Random) -> None:
-        self.pool = pool
-        self.attempts = attempts
-        self.retry_cap_s = retry_cap_s
-        self.rng = rng
-
-    def _retrying(self) -> AsyncRetrying:
-        return AsyncRetrying(
-            stop=stop_after_attempt(self.attempts),
-            wait=_WaitRetryAfter(self.retry_cap_s, self.rng),
-            retry=retry_if_exception_type(WorkerRefused),
-            reraise=True,
-        )
-
-    def _pick(self, affinity: bytes | None, attempt: Attempt) -> WorkerView:
-        """The claimed worker on the first try; then another replica, counted in flight."""
-        view, attempt.claimed = attempt.claimed, None
-        if view is None:
-            view = self.pool.choose(affinity, attempt.tried) or self.pool.choose(affinity, set())
-            if view is None:
-                raise WorkerRefused(f"no replica of {self.pool.name} has room")
-            self.pool.begin(view)
-        attempt.tried.add(view.url)
-        return view
-
-    async def post_json(
-        self, path: str, body: bytes, affinity: bytes | None, attempt: Attempt
-    ) -> httpx.Response:
-        """Non-streaming: the worker's response (status relayed); refusals retried."""
-        async for trying in self._retrying():
-            with trying:
-                view = self._pick(affinity, attempt)
-                try:
-                    r = await self.pool.client.post(
-                        f"{view.url}{path}",
-                        content=body,
-                        headers={"content-type": "application/json"},
-                    )
-                except httpx.TransportError as exc:
-                    self.pool.end(view)
-                    self.pool.mark_unreachable(view.url)
-                    raise WorkerRefused(f"{view.url}: {exc!r}") from exc
-                if r.status_code in (429, 503) or r.status_code >= 500:
-                    self.pool.end(view)
-                    raise WorkerRefused(f"{view.url} answered {r.status_code}", _retry_after(r))
-                attempt.worker = view
-                if r.status_code == 200:
-                    usage = r.json().get("usage") or {}
-                    attempt.prompt_tokens = usage.get("prompt_tokens")
-                    attempt.completion_tokens = usage.get("completion_tokens", 0)
-                    attempt.usage_seen = bool(usage)
-                return r
-        raise AssertionError("unreachable")
-
-    async def open_stream(
-        self, path: str, body: bytes, affinity: bytes | None, attempt: Attempt
-    ) -> httpx.Response:
-        """Streaming: an open 200 (or relayed 4xx) response; refusals retried before any byte."""
-        async for trying in self._retrying():
-            with trying:
-                view = self._pick(affinity, attempt)
-                req = self.pool.client.build_request(
-                    "POST",
-                    f"{view.url}{path}",
-                    content=body,
-                    headers={"content-type": "application/json"},
-                )
-                try:
-                    r = await self.pool.client.send(req, stream=True)
-                except httpx.TransportError as exc:
-                    self.pool.end(view)
-                    self.pool.mark_unreachable(view.url)
-                    raise WorkerRefused(f"{view.url}: {exc!r}") from exc
-                if r.status_code not in _RELAYED_STATUS:
-                    await r.aclose()
-                    self.pool.end(view)
-                    raise WorkerRefused(f"{view.url} answered {r.status_code}", _retry_after(r))
-                attempt.worker = view
-                return r
-        raise AssertionError("unreachable")
-
-
-async def relay_events(
-    upstream: httpx.Response, attempt: Attempt, client_wants_usage: bool
+async def relay(
+    upstream: httpx.Response,
+    served: Served,
+    client_wants_usage: bool,
+    deadline: float,
+    idle_s: float,
 ) -> AsyncIterator[bytes]:
-    """Forward SSE events as they arrive; note usage; drop the usage chunk unless asked.
+    """Forward the upstream's SSE events, noting usage and progress in `served`.
 
-    Raises httpx errors when the worker dies mid-stream (the caller reports in-band).
+    Ends after `[DONE]` or an error event. Raises httpx errors when the worker dies
+    mid-stream, StreamTimeout when it goes silent or the deadline passes; the caller
+    reports those in-band.
     """
-    async for line in upstream.aiter_lines():
-        if not line:
+    buffer = b""
+    it = upstream.aiter_raw()
+    while (piece := await _next(it, deadline, idle_s)) is not None:
+        buffer += piece
+        if b"\n\n" not in buffer:
             continue
-        if line.startswith(":"):
-            yield line.encode() + b"\n\n"  # the worker's heartbeat
-            continue
-        if not line.startswith("data: "):
-            continue
-        if line == "data: [DONE]":
-            yield b"data: [DONE]\n\n"
+        *events, buffer = buffer.split(b"\n\n")
+        out: list[bytes] = []
+        finished = False
+        for event in events:
+            event = event.strip(b"\r\n")
+            if not event:
+                continue
+            if event.startswith(b":"):
+                out.append(event + b"\n\n")  # the worker's heartbeat
+                continue
+            if not event.startswith(b"data:"):
+                continue
+            data = event[5:].strip()
+            if data == b"[DONE]":
+                out.append(DONE)
+                finished = True
+                break
+            chunk = parse_chunk(data)
+            if chunk is not None:
+                if chunk.usage is not None:
+                    served.usage_prompt_tokens = chunk.usage.prompt_tokens
+                    served.usage_completion_tokens = chunk.usage.completion_tokens
+                    if not chunk.choices and not client_wants_usage:
+                        continue
+                elif chunk.choices:
+                    served.tokens_relayed += 1
+                if chunk.error is not None:
+                    out.append(b"data: " + data + b"\n\n" + DONE)
+                    finished = True
+                    break
+            out.append(b"data: " + data + b"\n\n")
+        if out:
+            yield b"".join(out)
+        if finished:
+            await _drain(it)
             return
-        if '"usage"' in line:
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage")
-            if usage:
-                attempt.prompt_tokens = usage.get("prompt_tokens")
-                attempt.completion_tokens = usage.get("completion_tokens", 0)
-                attempt.usage_seen = True
-                if not chunk.get("choices") and not client_wants_usage:
-                    continue
-        elif not attempt.usage_seen:
-            attempt.completion_tokens += 1  # one chunk per token, for a stream cut short
-        yield line.encode() + b"\n\n"
+
+
+async def _drain(it: AsyncIterator[bytes]) -> None:
+    """Read what is left (the chunked terminator) so the connection can be reused."""
+    try:
+        async with asyncio.timeout(1.0):
+            async for _ in it:
+                pass
+    except (httpx.HTTPError, TimeoutError):
+        pass

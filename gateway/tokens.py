@@ -1,10 +1,17 @@
-"""Counting prompt tokens with the target pool's tokenizer, before dispatch."""
+"""Counting prompt tokens the way the target pool's worker will, before dispatch.
+
+A chat is counted as the worker sees it: every message rendered through the checkpoint's
+chat template (roles, names and all), then tokenized. A quota or context limit checked on
+`content` alone could be passed by padding the other fields. A pool without a local
+tokenizer is estimated from the bytes of every field, at `_BYTES_PER_TOKEN_ESTIMATE`; the
+reservation is reconciled to the worker's own count afterwards.
+"""
 
 import logging
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer
+from workers.api import ApiError, ChatMessage
 
 log = logging.getLogger(__name__)
 
@@ -12,37 +19,79 @@ _CHAT_TOKENS_PER_MESSAGE = 4  # role markers around each message in common chat 
 _BYTES_PER_TOKEN_ESTIMATE = 3  # fallback when a pool has no local tokenizer
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-    p = Path(path)
-    return Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
+class PoolTokenizer:
+    """A checkpoint's tokenizer and chat template, loaded from its directory (or a bare
+    tokenizer.json, which has no template)."""
+
+    def __init__(self, path: str) -> None:
+        p = Path(path)
+        self.hf: Any = None
+        self.fast: Any = None
+        if p.is_dir() and (p / "tokenizer_config.json").is_file():
+            from transformers import AutoTokenizer
+
+            self.hf = AutoTokenizer.from_pretrained(str(p))
+            if not getattr(self.hf, "chat_template", None):
+                self.hf = None
+        from tokenizers import Tokenizer
+
+        self.fast = Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
+
+    def count(self, text: str) -> int:
+        return len(self.fast.encode(text, add_special_tokens=False).ids)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str | None:
+        """The prompt the worker will build; None when the checkpoint has no template."""
+        if self.hf is None:
+            return None
+        try:
+            return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # jinja errors on malformed messages
+            raise ApiError(
+                400, f"cannot render the chat template: {exc}", param="messages"
+            ) from None
+
+
+def load_tokenizer(path: str) -> PoolTokenizer:
+    return PoolTokenizer(path)
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p.get("text"), str))
+    return content or ""
 
 
 class PromptCounter:
-    """Prompt tokens per pool: exact for token ids, tokenizer-exact for text when the pool
-    has a tokenizer, otherwise a byte-based estimate. Chat adds a few tokens per message
-    for the template; the reservation is reconciled to the worker's count afterwards."""
+    """Prompt tokens per pool: exact for token ids, tokenizer-exact for text (the chat
+    template rendered) when the pool has a tokenizer, else a byte-based estimate."""
 
-    def __init__(self, tokenizers: dict[str, Tokenizer]) -> None:
+    def __init__(self, tokenizers: dict[str, PoolTokenizer]) -> None:
         self._tok = tokenizers
 
     def text(self, pool: str, text: str) -> int:
         tok = self._tok.get(pool)
         if tok is None:
             return -(-len(text.encode()) // _BYTES_PER_TOKEN_ESTIMATE)
-        return len(tok.encode(text).ids)
+        return tok.count(text)
 
-    def completion(self, pool: str, prompt: Any) -> int:
+    def completion(self, pool: str, prompt: str | list[Any]) -> int:
         if isinstance(prompt, str):
             return self.text(pool, prompt)
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        if len(prompt) == 1 and isinstance(prompt[0], str):
             return self.text(pool, prompt[0])
-        return len(prompt) if isinstance(prompt, list) else 0
+        return len(prompt)
 
-    def chat(self, pool: str, messages: list[dict[str, Any]]) -> int:
+    def chat(self, pool: str, messages: list[ChatMessage]) -> int:
+        tok = self._tok.get(pool)
+        if tok is not None:
+            rendered = tok.render_chat(
+                [{"role": m.role, "content": _text_of(m.content)} for m in messages]
+            )
+            if rendered is not None:
+                return tok.count(rendered)
         total = 3
         for m in messages:
-            content = m.get("content")
-            if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            total += _CHAT_TOKENS_PER_MESSAGE + self.text(pool, content or "")
+            fields = (m.role, m.name or "", _text_of(m.content))
+            total += _CHAT_TOKENS_PER_MESSAGE + self.text(pool, "".join(fields))
         return total

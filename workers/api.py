@@ -5,9 +5,11 @@ Structs; decoding a request body with `decode_request` gives a typed object or a
 `ApiError` naming the offending field.
 """
 
+import asyncio
 import re
 from typing import Any, Literal
 
+import httpx
 import msgspec
 from litestar.response import Stream
 
@@ -131,6 +133,139 @@ class LoadReport(msgspec.Struct):
     vocab_size: int | None = None  # token ids must be below it; None: unknown (external server)
 
 
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str = "server_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(msgspec.Struct):
+    """Every error body, worker and gateway: `{"error": {...}}` (OpenAI shape)."""
+
+    error: ErrorInfo
+
+
+class StreamChunk(msgspec.Struct, kw_only=True):
+    """One SSE `data:` event of a streaming response, as far as a relay reads it.
+
+    The worker sends one chunk with choices per engine step that produced output (one
+    token), then, when `stream_options.include_usage` is set, a last chunk with no choices
+    and the usage; an error after the first token is an event with `error` instead.
+    `choices` stay raw: a relay forwards the bytes it received and never re-encodes them.
+    """
+
+    choices: list[msgspec.Raw] = []
+    usage: Usage | None = None
+    error: ErrorInfo | None = None
+
+
+class ResponseSummary(msgspec.Struct, kw_only=True):
+    """A non-streaming completion body, as far as the gateway reads it (usage only)."""
+
+    usage: Usage | None = None
+
+
+_CHUNK_DECODER = msgspec.json.Decoder(StreamChunk)
+_SUMMARY_DECODER = msgspec.json.Decoder(ResponseSummary)
+_ERROR_DECODER = msgspec.json.Decoder(ErrorBody)
+
+
+def parse_chunk(data: bytes) -> StreamChunk | None:
+    """The chunk in an SSE `data:` payload (without the prefix); None when it is not one."""
+    try:
+        return _CHUNK_DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def parse_summary(body: bytes) -> ResponseSummary | None:
+    """The usage of a non-streaming response body; None when the body is not one."""
+    try:
+        return _SUMMARY_DECODER.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def parse_error(body: bytes) -> ErrorInfo | None:
+    """The error of an OpenAI-shaped error body; None when the body is not one."""
+    try:
+        return _ERROR_DECODER.decode(body).error
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+class WorkerUnavailable(Exception):
+    """The worker could not be reached, or did not start its answer in time. Nothing of
+    the request was delivered to the client, so another replica may take it."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"{url}: {reason}")
+        self.url = url
+        self.reason = reason
+
+
+class WorkerClient:
+    """The gateway's (and the tests') client for workers: one shared httpx pool.
+
+    `first_byte_timeout_s` bounds the wait for a response's status line. A worker sends
+    its headers as soon as it accepts a streaming request (and SSE comments while the
+    request waits for its first token), so a streaming request that gets no status within
+    this time went to a hung worker. A non-streaming answer starts only when it is whole:
+    the caller bounds those by the request's deadline and the worker's health instead.
+    """
+
+    def __init__(self, http: httpx.AsyncClient, first_byte_timeout_s: float = 10.0) -> None:
+        self.http = http
+        self.first_byte_timeout_s = first_byte_timeout_s
+
+    async def load(self, url: str, timeout_s: float = 1.0) -> LoadReport | None:
+        """The worker's `/load`; None when it cannot be had or is not a LoadReport."""
+        try:
+            r = await self.http.get(f"{url}/load", timeout=timeout_s)
+            if r.status_code != 200:
+                return None
+            return msgspec.json.decode(r.content, type=LoadReport)
+        except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError):
+            return None
+
+    async def alive(self, url: str, timeout_s: float = 1.0) -> bool:
+        """`/health` answers 200 (an OpenAI-compatible server without `/load`)."""
+        try:
+            return (await self.http.get(f"{url}/health", timeout=timeout_s)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def post(
+        self, url: str, path: str, body: bytes, *, stream: bool, first_byte_timeout_s=None
+    ) -> httpx.Response:
+        """POST a request body; the response with its status and headers read and its body
+        not yet read (close it). Raises WorkerUnavailable on a transport error, or when a
+        streaming request's status does not come within the first-byte timeout."""
+        req = self.http.build_request(
+            "POST", f"{url}{path}", content=body, headers={"content-type": "application/json"}
+        )
+        timeout_s = first_byte_timeout_s or self.first_byte_timeout_s
+        try:
+            if not stream:
+                return await self.http.send(req, stream=True)
+            return await asyncio.wait_for(self.http.send(req, stream=True), timeout_s)
+        except TimeoutError:
+            raise WorkerUnavailable(url, f"no response within {timeout_s:g} s") from None
+        except httpx.TransportError as exc:
+            raise WorkerUnavailable(url, repr(exc)) from exc
+
+    async def drain(
+        self, url: str, *, exit_when_empty: bool = False, control_key: str | None = None
+    ) -> int:
+        """Ask a worker to stop admitting and finish what it holds; the HTTP status."""
+        headers = {"authorization": f"Bearer {control_key}"} if control_key else {}
+        r = await self.http.post(
+            f"{url}/drain", json={"exit_when_empty": exit_when_empty}, headers=headers
+        )
+        return r.status_code
+
+
 _PATH = re.compile(r"at `\$\.?([A-Za-z_][\w]*)")
 _MISSING = re.compile(r"missing required field `(\w+)`")
 
@@ -146,3 +281,39 @@ def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise ApiError(400, str(exc), param=match.group(1) if match else None) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+# Request bounds, shared by the worker and the gateway (pure; defined in workers.validation).
+from workers.validation import (  # noqa: E402
+    RequestLimits,
+    check_body_size,
+    check_json_depth,
+    check_request,
+)
+
+__all__ = [
+    "ApiError",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "ErrorBody",
+    "ErrorInfo",
+    "EventStream",
+    "LoadReport",
+    "PromptTokensDetails",
+    "RequestLimits",
+    "ResponseSummary",
+    "StreamChunk",
+    "StreamOptions",
+    "Usage",
+    "WorkerClient",
+    "WorkerState",
+    "WorkerUnavailable",
+    "check_body_size",
+    "check_json_depth",
+    "check_request",
+    "decode_request",
+    "parse_chunk",
+    "parse_error",
+    "parse_summary",
+]

@@ -1,0 +1,114 @@
+"""The owner of one request in the gateway, from its reservation to its reconcile.
+
+A `Flight` holds the request's quota reservation and one `Attempt` per pool it is sent
+to (an escalated request makes two). Each attempt has its own `Lease` (queue turn and
+worker slot) and records what it was served. `finish` settles everything exactly once:
+upstream connections closed (which tells a worker to abort unfinished work), leases
+released (a completion recorded only for attempts a worker answered), and the
+reservation reconciled to the sum of what every attempt is charged. It never awaits, so
+it is safe from a cancelled task and from a generator's `finally`.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+
+from gateway.admission import Ticket
+from gateway.lease import Lease
+from gateway.plan import Plan, PublicRequest, Served, charge
+from quota.limiter import Reservation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Attempt:
+    lease: Lease
+    served: Served = field(default_factory=Served)
+    upstream: httpx.Response | None = None
+
+
+class Flight:
+    def __init__(self, gw, plan: Plan, req: PublicRequest, reservation: Reservation) -> None:  # noqa: ANN001
+        self.gw = gw
+        self.plan = plan
+        self.req = req
+        self.reservation = reservation
+        self.attempts: list[Attempt] = []
+        self.finished = False
+
+    def attempt(self, pool_name: str) -> Attempt:
+        """A new attempt on `pool_name`, queued at once: raises QueueFull or
+        DeadlineExceeded before any response has started."""
+        plan = self.plan
+        suffix = f"-{len(self.attempts)}" if self.attempts else ""
+        ticket = Ticket(
+            plan.request_id + suffix,
+            plan.tenant_id,
+            plan.attempt_tokens,
+            time.monotonic(),
+            plan.deadline,
+        )
+        attempt = Attempt(Lease(self.gw.pools[pool_name], ticket, plan.affinity))
+        self.attempts.append(attempt)
+        attempt.lease.enqueue()
+        return attempt
+
+    def track(self, attempt: Attempt, upstream: httpx.Response) -> None:
+        """The worker answered `attempt`: keep its response to close it at the end."""
+        attempt.upstream = upstream
+        attempt.served.accepted = upstream.status_code == 200
+        if self.finished:  # the request ended while the answer was on its way
+            self._close(upstream)
+
+    @property
+    def charged_tokens(self) -> int:
+        return sum(charge(self.plan, a.served) for a in self.attempts)
+
+    def finish(self) -> None:
+        """Close, release and reconcile, once."""
+        if self.finished:
+            return
+        self.finished = True
+        for a in self.attempts:
+            if a.upstream is not None:
+                self._close(a.upstream)
+            a.lease.release(served=a.served.accepted)
+        self.gw.reconcile_later(self.reservation, self.charged_tokens)
+
+    def _close(self, upstream: httpx.Response) -> None:
+        if not upstream.is_closed:
+            self.gw.spawn(upstream.aclose())
+
+
+class FlightStream:
+    """The body iterator of a streaming response: the events, and `finish` when the
+    stream ends, fails, is cancelled (client gone), or is dropped unstarted (a client
+    that left before the response began)."""
+
+    def __init__(self, flight: Flight, events: AsyncIterator[bytes]) -> None:
+        self.flight = flight
+        self.events = events
+
+    def __aiter__(self) -> "FlightStream":
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self.events.__anext__()
+        except BaseException:
+            self.flight.finish()
+            raise
+
+    def __del__(self) -> None:
+        if not self.flight.finished:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                log.warning("stream of %s dropped outside the loop", self.flight.plan.request_id)
+                return
+            self.flight.finish()
