@@ -12,7 +12,7 @@ from cascade.policy import InvalidRouting, settings_to_dict
 from gateway.context import Gateway
 from quota.errors import TenantNotFound
 from quota.models import TenantLimits
-from workers.api import ApiError
+from workers.api import ApiError, check_json_depth
 
 _LIMIT_FIELDS = set(TenantLimits.__dataclass_fields__)
 
@@ -25,8 +25,15 @@ def _require_admin(gw: Gateway, request: Request) -> None:
         raise ApiError(401, "admin key required", code="invalid_admin_key")
 
 
+_ADMIN_MAX_BODY_BYTES = 1024 * 1024
+_ADMIN_MAX_JSON_DEPTH = 16
+
+
 async def _json_object(request: Request) -> dict[str, Any]:
     raw = await request.body()
+    if len(raw) > _ADMIN_MAX_BODY_BYTES:
+        raise ApiError(413, f"request body over {_ADMIN_MAX_BODY_BYTES} bytes")
+    check_json_depth(raw, _ADMIN_MAX_JSON_DEPTH)
     try:
         body = msgspec.json.decode(raw) if raw else {}
     except msgspec.DecodeError as exc:
