@@ -228,7 +228,9 @@ class QuotaLimiter:
         closed = [cls for cls, decision in decisions.items() if decision == "closed"]
         if closed:
             raise QuotaUnavailable(UNAVAILABLE_RETRY_AFTER_S, limit_class=closed[0])
-        reservation = Reservation(tenant.tenant_id, request_id, tokens, checked=False)
+        reservation = Reservation(
+            tenant.tenant_id, request_id, tokens, checked=False, owner_id=self.owner_id
+        )
         if self.journal is not None:  # charged the reservation if we die before reconcile
             self._journal(self._settlement(reservation, tokens, final=False))
         return reservation, unlimited_state()
@@ -242,7 +244,9 @@ class QuotaLimiter:
                 r.tenant_id, r.request_id, True, r.minute, r.day, actual - r.tokens, r.owner_id
             )
         w = self._guess_windows()
-        return Settlement(r.tenant_id, r.request_id, False, w.minute, w.day, actual, final=final)
+        return Settlement(
+            r.tenant_id, r.request_id, False, w.minute, w.day, actual, r.owner_id, final
+        )
 
     def _journal(self, settlement: Settlement) -> None:
         assert self.journal is not None

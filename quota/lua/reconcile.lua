@@ -14,9 +14,11 @@
 -- ARGV[2] "checked": a reservation made by reserve.lua. It acts if its pending marker exists
 --           (and releases the slot) or, once its owner was swept as dead, if the swept
 --           marker does (the slot is already free); either marker is deleted.
---         "unchecked": a request admitted while Redis was unreachable (it has no marker). It
---           acts only if it can create the done marker KEYS[6] (SET NX), so a replay after
---           a lost reply or a crash charges once.
+--         "unchecked": a request admitted while Redis was unreachable. It acts only if it can
+--           create the done marker KEYS[6] (SET NX), so a replay after a lost reply or a
+--           crash charges once. Should a pending (or swept) marker exist after all
+--           (reserve.lua ran but its reply was lost), that reservation is settled instead
+--           of charging twice.
 -- ARGV[3] request id (the concurrency member to release)
 -- ARGV[4] TTL of a minute counter created here, s
 -- ARGV[5] TTL of a day counter created here, s
@@ -28,6 +30,8 @@
 
 if ARGV[7] ~= '' then redis.call('ZREM', KEYS[7], ARGV[7]) end
 
+local delta = tonumber(ARGV[1])
+
 if ARGV[2] == 'checked' then
   if redis.call('DEL', KEYS[4]) == 1 then
     redis.call('ZREM', KEYS[3], ARGV[3])
@@ -36,19 +40,26 @@ if ARGV[2] == 'checked' then
   end
 elseif ARGV[2] == 'unchecked' then
   if not redis.call('SET', KEYS[6], '1', 'NX', 'EX', ARGV[6]) then return 0 end
+  local reserved = redis.call('HGET', KEYS[4], 'tokens')
+  if reserved then
+    redis.call('DEL', KEYS[4])
+    redis.call('ZREM', KEYS[3], ARGV[3])
+  else
+    reserved = redis.call('HGET', KEYS[5], 'tokens')
+    if reserved then redis.call('DEL', KEYS[5]) end
+  end
+  if reserved then delta = delta - tonumber(reserved) end
 else
   return redis.error_reply('reconcile.lua: unknown mode ' .. tostring(ARGV[2]))
 end
 
-local delta = tonumber(ARGV[1])
-
 local function adjust(key, ttl)
   if delta < 0 then
     if redis.call('EXISTS', key) == 0 then return end
-    local left = redis.call('INCRBY', key, ARGV[1])
+    local left = redis.call('INCRBY', key, delta)
     if left < 0 then redis.call('INCRBY', key, -left) end
   elseif delta > 0 then
-    redis.call('INCRBY', key, ARGV[1])
+    redis.call('INCRBY', key, delta)
     if redis.call('TTL', key) < 0 then redis.call('EXPIRE', key, ttl) end
   end
 end

@@ -207,3 +207,32 @@ async def test_windows_come_from_the_server_clock_not_the_local_one(
 async def test_negative_tokens_are_a_bug(limiter: QuotaLimiter) -> None:
     with pytest.raises(ValueError):
         await limiter.reserve(tenant(), "r", -1)
+
+
+async def test_a_repeated_reserve_charges_once_and_reports_the_first_windows(
+    limiter: QuotaLimiter, redis_client: redis.asyncio.Redis
+) -> None:
+    t = tenant(tokens_per_minute=1000, max_concurrent=5)
+    first, _ = await limiter.reserve(t, "r1", 100)
+    await redis_client.rename(  # as if the first call happened a minute earlier
+        keyspace.tokens_minute("acme", first.minute), keyspace.tokens_minute("acme", 7)
+    )
+    await redis_client.hset(keyspace.pending("acme", "r1"), "minute", 7)
+    again, _ = await limiter.reserve(t, "r1", 100)  # a retry after a lost reply
+    assert (again.minute, again.day) == (7, first.day)
+    usage = await limiter.usage("acme")
+    assert (usage["tokens_today"], usage["requests_this_minute"]) == (100, 1)
+    await limiter.reconcile(again, 40)
+    assert int(await redis_client.get(keyspace.tokens_minute("acme", 7))) == 40
+
+
+async def test_unchecked_reconcile_of_a_reserve_whose_reply_was_lost_charges_once(
+    limiter: QuotaLimiter,
+) -> None:
+    t = tenant(max_concurrent=5)
+    await limiter.reserve(t, "r1", 100)  # Redis charged it; the gateway never heard back
+    lost = Reservation("acme", "r1", 100, checked=False)  # so it admitted it unchecked
+    await limiter.reconcile(lost, 30)
+    await limiter.reconcile(Reservation("acme", "r1", 100, checked=False), 30)
+    usage = await limiter.usage("acme")
+    assert (usage["tokens_today"], usage["concurrent_requests"]) == (30, 0)

@@ -8,6 +8,7 @@ from quota.policy import (
     STATUS_REFUSED,
     FailurePolicy,
     ReserveReply,
+    Windows,
     exceeded_error,
     fits_context,
     limit_arg,
@@ -124,3 +125,9 @@ def test_fits_context() -> None:
     assert fits_context(TenantLimits(), 10**9)
     assert fits_context(TenantLimits(max_context=100), 100)
     assert not fits_context(TenantLimits(max_context=100), 101)
+
+
+def test_parse_reserve_reply_reads_the_windows_charged() -> None:
+    reply = parse_reserve_reply([1, 1_700_000_000, 0, 10, 20, 3, 1, 0, 28_333_333, 19_675])
+    assert reply.windows == Windows(28_333_333, 19_675)
+    assert parse_reserve_reply([-1, 5, 0]).windows is None
