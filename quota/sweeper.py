@@ -213,9 +213,9 @@ class QuotaMaintenance:
 
     async def _sweep_dead_owners(self) -> int:
         owners = [
-            (o.decode(), int(score))
+            (_text(o), int(score))
             for o, score in await self._redis.zrange(keyspace.OWNERS, 0, -1, withscores=True)
-            if o.decode() != self.owner_id
+            if _text(o) != self.owner_id
         ]
         if not owners:
             return 0
@@ -244,7 +244,7 @@ class QuotaMaintenance:
         index = keyspace.owner_pending(owner)
         while members := await self._redis.zrange(index, 0, SWEEP_BATCH - 1):
             for member in members:  # sweep.lua removes each member, so this ends
-                if await self._scripts.sweep(owner, member.decode()):
+                if await self._scripts.sweep(owner, _text(member)):
                     swept += 1
                     self._swept.inc()
         return swept
@@ -262,6 +262,10 @@ class QuotaMaintenance:
         if self._down:
             self._down = False
             log.info("quota: sweeper reaches Redis again")
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:
