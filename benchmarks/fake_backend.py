@@ -3,8 +3,10 @@
 It stands in for a worker where the worker is not what is measured: it answers
 `/v1/completions` and `/v1/chat/completions` (streaming or not) with `max_tokens`
 one-character tokens, reports `/load` and `/health`, and can be told to misbehave through
-`POST /_control` with `{"mode": ..., "token_delay_s": ...}`; modes are "ok", "refuse",
-"die_mid_stream" and "slow_first".
+`POST /_control` with `{"mode": ..., "token_delay_s": ...}`; modes are "ok", "refuse"
+(503 with Retry-After), "bad_request" (400: the request's own fault), "hang" (accepts the
+connection and never answers), "die_mid_stream" and "slow_first". Its load reports, usage
+and errors are the wire contract's types (`workers.api`), as a worker's are.
 `GET /_stats` tells how many requests are active and what bodies it received.
 
 Run alone: `python -m benchmarks.fake_backend --port 8101`.
@@ -16,6 +18,12 @@ import json
 import time
 from collections import deque
 from typing import Any
+
+import msgspec
+
+from workers.api import ErrorBody, ErrorInfo, LoadReport, Usage
+
+VOCAB_SIZE = 32000  # what its /load reports; token ids in prompts are checked against it
 
 
 class FakeBackend:
@@ -86,19 +94,21 @@ class FakeBackend:
         )
 
     def _load(self) -> dict[str, Any]:
-        return {
-            "state": self.state,
-            "num_running": self.active,
-            "num_waiting": 0,
-            "kv_blocks_used": 0,
-            "kv_blocks_total": 1000,
-            "kv_free_tokens": 16000,
-            "kv_total_tokens": 16000,
-            "queued_prompt_tokens": 0,
-            "output_tokens_per_s": 0.0,
-            "model": self.name,
-            "max_model_len": 4096,
-        }
+        report = LoadReport(
+            state=self.state,
+            num_running=self.active,
+            num_waiting=0,
+            kv_blocks_used=0,
+            kv_blocks_total=1000,
+            kv_free_tokens=16000,
+            kv_total_tokens=16000,
+            queued_prompt_tokens=0,
+            output_tokens_per_s=0.0,
+            model=self.name,
+            max_model_len=4096,
+            vocab_size=VOCAB_SIZE,
+        )
+        return msgspec.structs.asdict(report)
 
     def _logprobs(self, chat: bool, n: int) -> dict[str, Any]:
         """Every token at log-probability `self.logprob` (set it low for an unsure model)."""
@@ -115,34 +125,36 @@ class FakeBackend:
     async def _generate(self, req: dict[str, Any], chat: bool, send, receive) -> None:  # noqa: ANN001
         self.bodies.append(req)
         if self.mode == "refuse":
-            return await _json(
-                send,
-                503,
-                {
-                    "error": {
-                        "message": "busy",
-                        "type": "server_error",
-                        "param": None,
-                        "code": "server_overloaded",
-                    }
-                },
-                {"retry-after": "0.05"},
-            )
+            busy = ErrorBody(ErrorInfo("busy", "server_error", None, "server_overloaded"))
+            return await _json(send, 503, msgspec.to_builtins(busy), {"retry-after": "0.05"})
+        if self.mode == "bad_request":
+            bad = ErrorBody(ErrorInfo("bad top_k", "invalid_request_error", "top_k", None))
+            return await _json(send, 400, msgspec.to_builtins(bad))
+        if self.mode == "hang":
+            self.active += 1
+            try:
+                await _wait_disconnect(receive)
+            finally:
+                self.active -= 1
+            return
         n = int(req.get("max_tokens") or 16)
         prompt = req.get("prompt") or req.get("messages") or ""
         prompt_tokens = len(prompt) if isinstance(prompt, list) else max(len(str(prompt)) // 4, 1)
-        usage = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": n,
-            "total_tokens": prompt_tokens + n,
-        }
+        usage = msgspec.to_builtins(Usage(prompt_tokens, n, prompt_tokens + n))
         rid = f"fake-{self.total}"
         self.total += 1
         self.active += 1
         try:
             if not req.get("stream"):
                 if self.token_delay_s:
-                    await asyncio.sleep(self.token_delay_s * n)
+                    gone = asyncio.ensure_future(_wait_disconnect(receive))
+                    try:
+                        await asyncio.wait({gone}, timeout=self.token_delay_s * n)
+                    finally:
+                        gone.cancel()
+                    if gone.done() and not gone.cancelled():
+                        self.aborted += 1
+                        return
                 text = self.name[:1] * n  # replicas of different pools answer differently
                 choice = (
                     {

@@ -61,11 +61,21 @@ def create_gateway_app(gw: Gateway) -> Litestar:
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         poller = asyncio.ensure_future(_poll_loads(gw))
+        stop = asyncio.Event()
+        upkeep = asyncio.ensure_future(
+            gw.maintenance.run_forever(gw.config.quota_sweep_interval_s, stop)
+        )
         try:
             yield
         finally:
+            # Requests still running were cancelled by the server's grace period; their
+            # flights closed their upstreams and scheduled their reconciles.
             poller.cancel()
             await gw.drain_background()
+            stop.set()
+            await asyncio.gather(upkeep, return_exceptions=True)
+            await gw.maintenance.close()
+            await gw.redis.aclose()
 
     return Litestar(
         route_handlers=[

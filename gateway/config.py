@@ -46,6 +46,8 @@ class GatewayConfig:
     routing_poll_s: float = 0.5  # how often replicas look for a new routing version
     known_key_ttl_s: float = 300.0  # how long a key stays usable through a Redis outage
     # Redis unreachable: per limit class "open" (serve unchecked) or "closed" (503).
+    quota_heartbeat_ttl_s: float = 5.0  # a gateway silent this long is dead: its slots freed
+    quota_sweep_interval_s: float = 1.0  # journal replay and dead-gateway sweeps
     fail_tokens: str = "open"
     fail_requests: str = "open"
     fail_concurrency: str = "open"

@@ -16,6 +16,7 @@ from gateway.routing import Router
 from gateway.tokens import PromptCounter
 from quota.limiter import QuotaLimiter, Reservation
 from quota.store import TenantStore
+from quota.sweeper import QuotaMaintenance
 from workers.api import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ class Gateway:
     config: GatewayConfig
     store: TenantStore
     limiter: QuotaLimiter
+    maintenance: QuotaMaintenance  # heartbeat, journal replay, dead-owner sweeps
     pools: dict[str, Pool]
     counter: PromptCounter
     workers: WorkerClient  # the one client for every worker of every pool

@@ -6,14 +6,9 @@ import sys
 from pathlib import Path
 
 import httpx
-import redis.asyncio as aioredis
 import uvicorn
 from litestar import Litestar
 from prometheus_client import CollectorRegistry
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.admission import QueueConfig
 from gateway.app import create_gateway_app
@@ -25,8 +20,11 @@ from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool
 from gateway.routing import Router, RoutingMetrics
 from gateway.tokens import PromptCounter, load_tokenizer
+from quota.connection import make_redis
+from quota.journal import ReconcileJournal, journal_path
 from quota.limiter import FailurePolicy, QuotaLimiter
 from quota.store import TenantStore
+from quota.sweeper import QuotaMaintenance, new_owner_id
 from workers.api import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -38,23 +36,10 @@ def build_gateway(
     """All collaborators of one gateway process, against the Redis at `redis_url`."""
     if not config.pools:
         raise ValueError("the gateway needs at least one pool (pools: {name: [worker URLs]})")
-    # Few, fast retries: an unreachable Redis must turn into a fail-open/closed decision
-    # within a request's budget, not after seconds of backoff.
-    # A bounded pool (requests wait briefly for a connection rather than opening hundreds
-    # under a burst) and few, fast retries: an unreachable Redis must become a fail-open or
-    # fail-closed decision within a request's budget, not after seconds of backoff.
-    pool = aioredis.BlockingConnectionPool.from_url(
-        redis_url,
-        max_connections=32,
-        timeout=2.0,
-        socket_timeout=2.0,
-        socket_connect_timeout=1.0,
-    )
-    redis = aioredis.Redis(
-        connection_pool=pool,
-        retry=Retry(NoBackoff(), 1),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
-    )
+    # The pool's connections retry (fast, jittered) and are health-checked, so a Redis
+    # restart heals without a person; an unreachable Redis still becomes a fail-open or
+    # fail-closed decision within a request's budget (quota.connection.retry_bound_s).
+    redis = make_redis(redis_url)
     registry = CollectorRegistry()
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
     # Whole-request timeouts are the request's deadline (dispatch) and the stream's idle
@@ -81,11 +66,21 @@ def build_gateway(
     router = None
     if config.cascade_small_pool and config.cascade_large_pool:
         router = _build_router(config, redis, registry, pools)
+    # This process is one quota owner: reservations are indexed under its id, its journal
+    # keeps the settlements Redis missed, and its maintenance task settles them (and those
+    # of dead gateways) once Redis answers.
+    owner_id = new_owner_id()
+    journal = ReconcileJournal(journal_path(Path(config.data_dir) / "quota-journal", owner_id))
+    limiter = QuotaLimiter(redis, policy, registry, owner_id=owner_id, journal=journal)
+    maintenance = QuotaMaintenance(
+        limiter, heartbeat_ttl_s=config.quota_heartbeat_ttl_s, registry=registry
+    )
     return Gateway(
         router=router,
         config=config,
         store=TenantStore(redis),
-        limiter=QuotaLimiter(redis, policy, registry),
+        limiter=limiter,
+        maintenance=maintenance,
         pools=pools,
         counter=PromptCounter(tokenizers),
         workers=workers,

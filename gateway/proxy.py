@@ -211,6 +211,11 @@ async def _json_response(
             work.cancel()  # the client left: closing the upstream aborts the work there
     try:
         if work not in done:
+            # The client left while a worker held the request: it pays the prompt that
+            # worker took in (the closed connection aborts the rest there).
+            for a in flight.attempts:
+                if a.upstream is None and a.lease.worker is not None and a.lease.tried:
+                    a.served.accepted = True
             flight.finish()
             return error_response(ApiError(499, "client disconnected"), headers)
         return work.result()

@@ -1,6 +1,7 @@
 """A real gateway (in a thread, real HTTP) over a real Redis and fake backends."""
 
 import asyncio
+import tempfile
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +81,7 @@ def gateway_stack(redis_url: str, replicas: dict[str, int] | None = None, **conf
                 pools[pool].append(urls[name])
         cfg = GatewayConfig(
             pools=pools,
+            data_dir=stack.enter_context(tempfile.TemporaryDirectory(prefix="sy-gw-")),
             routing_poll_s=0.1,
             admin_key=ADMIN,
             default_pool="small",
