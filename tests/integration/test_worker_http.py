@@ -147,16 +147,22 @@ def test_streaming_disconnect_aborts_and_frees_kv(worker):
 
 def test_non_streaming_disconnect_aborts_and_frees_kv(worker):
     body = greedy_body(max_tokens=400, prompt="a long story " * 20)
+    generated = worker.engine.num_generated_tokens
     worker.stall()  # hold the request resident so the client gives up first
     try:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{worker.url}/v1/completions", json=body, timeout=0.5)
+        # The server noticed the disconnect and handed the engine an abort while the
+        # request was still resident (finishing it normally would free KV too).
+        assert wait_until(lambda: worker.service.engine.pending_aborts() == 1)
     finally:
         worker.unstall()
     assert wait_until(lambda: load(worker.url)["kv_blocks_used"] == 0)
     assert wait_until(
         lambda: load(worker.url)["num_running"] == 0 and load(worker.url)["num_waiting"] == 0
     )
+    # Aborted at the first step boundary: the held step's token at most, not 400.
+    assert worker.engine.num_generated_tokens - generated <= 1
 
 
 @pytest.mark.parametrize(
