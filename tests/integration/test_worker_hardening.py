@@ -293,3 +293,47 @@ def test_the_worker_refuses_to_open_drain_to_the_network_without_a_key(
     monkeypatch.delenv("SWITCHYARD_WORKER_CONTROL_KEY", raising=False)
     assert main(["worker", "--model", str(demo_dir), "--host", "0.0.0.0"]) == 2
     assert "control key" in capsys.readouterr().err
+
+
+BROKEN_DEVICE_WORKER = """
+import sys
+from workers.runner import ModelRunner
+def broken(self, batch, tables):
+    raise RuntimeError("device lost")
+ModelRunner.execute = broken
+from cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_worker_whose_engine_dies_exits_non_zero_for_its_supervisor(demo_dir, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.support.servers import wait_ready
+    from tests.support.worker import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-c", BROKEN_DEVICE_WORKER, "worker", "--model", str(demo_dir)]
+    cmd += ["--port", str(port), "--served-model-name", "small"]
+    log = tmp_path / "worker.log"
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, timeout_s=60)
+        # One request per step, each failing alone, until too many steps in a row fail.
+        codes = []
+        while proc.poll() is None and len(codes) < 10:
+            try:
+                r = httpx.post(f"{url}/v1/completions", json=body(), timeout=30)
+            except httpx.TransportError:
+                break
+            codes.append(r.json()["error"]["code"])
+        assert proc.wait(30) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert codes[:2] == ["request_failed", "request_failed"]
+    assert "engine_failed" in codes
+    assert "exiting with status 1" in log.read_text()
