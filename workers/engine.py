@@ -219,7 +219,9 @@ class LLMEngine:
                 outputs.append(self._fail(req, exc, "detokenize"))
         return outputs
 
-    def _count_failed_step(self, num_failed: int, num_scheduled: int, failed) -> None:
+    def _count_failed_step(
+        self, num_failed: int, num_scheduled: int, failed: list[tuple[Request, Exception]]
+    ) -> None:
         if num_failed < num_scheduled:
             self._num_failed_steps = 0
             return
