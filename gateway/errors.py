@@ -86,7 +86,8 @@ def to_api_error(exc: Exception, rng: random.Random) -> ApiError:
         return ApiError(400, str(exc), param=getattr(exc, "param", None), code="invalid_limits")
     if isinstance(exc, HTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return ApiError(exc.status_code, str(exc.detail), type=kind)
+        code = "request_too_large" if exc.status_code == 413 else None
+        return ApiError(exc.status_code, str(exc.detail), type=kind, code=code)
     return ApiError(500, "internal error", type="server_error")
 
 
