@@ -102,10 +102,25 @@ class Gate:
         self.runner.execute = self.original
 
 
+def start_together(url: str, runner, payloads: list[dict]) -> list[Call]:
+    """Start requests so that the engine admits them in one step: a blocker request holds
+    the engine until all of them wait."""
+    gate = Gate(runner, when=lambda batch: True)
+    blocker = Call(url, body(prompt="hold on", max_tokens=1))
+    try:
+        assert gate.held.wait(30)
+        calls = [Call(url, p) for p in payloads]
+        assert wait_until(lambda: load(url)["num_waiting"] == len(payloads))
+    finally:
+        gate.remove()
+    blocker.join(30)
+    return calls
+
+
 def test_a_request_failing_mid_batch_fails_alone_and_the_worker_stays_ready(demo_dir):
     with running_worker(demo_dir) as w:
         goods = [body(prompt=p, max_tokens=40, stream=True) for p in PROMPTS]
-        reference = [c.text() for c in [Call(w.url, g) for g in goods]]
+        reference = [c.text() for c in start_together(w.url, w.engine.runner, goods)]
         poison_ids = w.engine.tokenizer.encode("a poisoned prompt")
         good_ids = [w.engine.tokenizer.encode(p) for p in PROMPTS]
 
@@ -119,7 +134,7 @@ def test_a_request_failing_mid_batch_fails_alone_and_the_worker_stays_ready(demo
             poisoned=lambda r: r.prompt_token_ids == poison_ids,
         )
         try:
-            calls = [Call(w.url, g) for g in goods]
+            calls = start_together(w.url, w.engine.runner, goods)
             assert gate.held.wait(30)  # three streams mid-generation, the engine held
             bad_stream = Call(w.url, body(prompt="a poisoned prompt", stream=True))
             bad_whole = Call(w.url, body(prompt="a poisoned prompt"))
