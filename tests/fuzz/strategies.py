@@ -208,6 +208,12 @@ def _fields(body: dict) -> tuple[str, ...]:
     return CHAT_FIELDS if "messages" in body else COMPLETION_FIELDS
 
 
+def _history(body: dict) -> list:
+    """The messages before the last, whatever an earlier mutation made of the list."""
+    messages = body.get("messages")
+    return messages[:-1] if isinstance(messages, list) else []
+
+
 @st.composite
 def m_seed(draw, body, vocab):
     body["seed"] = draw(st.one_of(edge_ints, st.integers(-(2**200), 2**200), st.just(1.5)))
@@ -334,7 +340,7 @@ def m_messages(draw, body, vocab):
         msg["content"] = draw(garbage_text)
     else:  # unknown keys on a message, or a message of another shape
         msg.update(draw(st.dictionaries(words, json_value, min_size=1, max_size=3)))
-    body["messages"] = [*body["messages"][:-1], msg]
+    body["messages"] = [*_history(body), msg]
 
 
 @st.composite
@@ -419,7 +425,7 @@ def m_deep(draw, body, vocab):
 def m_unicode(draw, body, vocab):
     name = draw(st.sampled_from(["user", "stop", "model", "prompt", "cache_salt"]))
     if name == "prompt" and "messages" in body:
-        body["messages"][-1] = {"role": "user", "content": draw(garbage_text)}
+        body["messages"] = [*_history(body), {"role": "user", "content": draw(garbage_text)}]
     else:
         body[name] = draw(garbage_text)
 
