@@ -190,6 +190,13 @@ def _cmd_bench_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_autoscale(args: argparse.Namespace) -> int:
+    from benchmarks.autoscale_bench import AutoscaleBenchOptions, run_autoscale_bench
+
+    run_autoscale_bench(AutoscaleBenchOptions(Path(args.out), quick=args.quick, seed=args.seed))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="switchyard", description="Multi-tenant LLM serving.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -295,6 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--quick", action="store_true", help="a small smoke run, not the real figures")
     bg.add_argument("--overload-s", type=float, default=60.0, help="length of the overload run")
     bg.set_defaults(func=_cmd_bench_gateway)
+    ba = bench.add_parser("autoscale", help="autoscaler vs baselines and oracles, in simulation")
+    ba.add_argument("--out", default="bench-results", help="where JSON and markdown go")
+    ba.add_argument("--quick", action="store_true", help="a small smoke run, not the real figures")
+    ba.add_argument("--seed", type=int, default=0, help="the arrivals' random seed")
+    ba.set_defaults(func=_cmd_bench_autoscale)
     return parser
 
 

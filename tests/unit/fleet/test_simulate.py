@@ -1,0 +1,44 @@
+"""The simulator conserves requests, and the policy meets its targets on a small trace."""
+
+import dataclasses
+
+from workers.fleet.autoscaler import Autoscaler, AutoscalerConfig
+from workers.fleet.baselines import oracle_policy, static_policy
+from workers.fleet.simulate import SimConfig, Trace, make_arrivals, simulate
+
+SIM = SimConfig(startup_s=20.0, max_replicas=10, dt_s=0.2)
+# 4 req/s (3 replicas), then 14 req/s (9 replicas) for 150 s, then 4 again.
+BURST = Trace("burst", 420.0, lambda t: 14.0 if 60 <= t < 210 else 4.0)
+
+
+def policy_for(sim: SimConfig) -> Autoscaler:
+    config = AutoscalerConfig(
+        min_replicas=sim.min_replicas,
+        max_replicas=sim.max_replicas,
+        target_running_per_replica=sim.capacity_per_replica * sim.target_utilization,
+        scale_down_window_s=60.0,
+    )
+    return Autoscaler({BURST.name: config})
+
+
+def test_every_offered_request_is_served_or_refused() -> None:
+    arrivals = make_arrivals(BURST, SIM)
+    small_queue = dataclasses.replace(SIM, queue_capacity=20)
+    for policy, sim in ((policy_for(SIM).decide, SIM), (static_policy(2), small_queue)):
+        res = simulate(policy, BURST, sim, arrivals)
+        assert res.offered == len(arrivals) > 0
+        assert res.served + res.refused == res.offered
+        assert len(res.ttft_s) == res.served
+    assert res.refused > 0  # the static pool with a short queue did refuse
+
+
+def test_autoscaler_meets_the_targets_on_a_burst() -> None:
+    arrivals = make_arrivals(BURST, SIM)
+    res = simulate(policy_for(SIM).decide, BURST, SIM, arrivals)
+    lead = simulate(oracle_policy(BURST, SIM, lead_s=SIM.startup_s), BURST, SIM, arrivals)
+    assert res.refused_below_max == 0 and res.stream_cuts == 0
+    assert res.peak_ordered - res.peak_needed <= 1
+    assert res.replica_seconds <= 1.3 * lead.replica_seconds
+    # It did scale up, and back down with drains.
+    assert res.peak_ordered > SIM.needed(4.0)
+    assert any(d.drain for d in res.decisions)
