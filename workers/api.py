@@ -61,6 +61,21 @@ class StreamOptions(msgspec.Struct, omit_defaults=True):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str = "response"
+    description: str | None = None
+    schema: dict[str, Any] | None = None  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """`response_format`: plain text, any JSON object, or JSON matching a schema. The
+    worker enforces the JSON kinds by constrained decoding."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(msgspec.Struct, kw_only=True):
     """Fields shared by completions and chat completions (OpenAI plus worker extras)."""
 
@@ -84,6 +99,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
     stop_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -92,10 +108,47 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     echo: bool = False
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as generated
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a `tool` message: the call it answers
+
+
+class FunctionDef(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -103,6 +156,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True
 
 
 class PromptTokensDetails(msgspec.Struct):
@@ -299,12 +355,20 @@ __all__ = [
     "ErrorBody",
     "ErrorInfo",
     "EventStream",
+    "FunctionCall",
+    "FunctionDef",
+    "JsonSchemaFormat",
     "LoadReport",
+    "NamedToolChoice",
     "PromptTokensDetails",
     "RequestLimits",
+    "ResponseFormat",
     "ResponseSummary",
     "StreamChunk",
     "StreamOptions",
+    "Tool",
+    "ToolCall",
+    "ToolChoice",
     "Usage",
     "WorkerClient",
     "WorkerState",

@@ -4,7 +4,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvcache import KVCacheManager
@@ -16,6 +16,7 @@ from workers.request import FinishReason, Request, RequestStatus
 from workers.runner import ModelRunner, TokenLogprobs
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler
+from workers.structured import GrammarCompiler, GrammarSpec
 from workers.tokenizer import CheckpointTokenizer
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,13 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
         self.num_failed_requests = 0
         self._num_failed_steps = 0  # in a row, every request failing
+        self.grammars: GrammarCompiler | None = (
+            GrammarCompiler(tokenizer.hf, runner.model_config.vocab_size, eos)
+            if tokenizer is not None
+            else None
+        )
+        # n > 1: samples held back until the sample they fork from has its prompt KV.
+        self._held: dict[str, list[Request]] = {}
 
     @classmethod
     def from_pretrained(
@@ -112,11 +120,13 @@ class LLMEngine:
         cache_salt: str | None = None,
         deadline: float | None = None,
         add_special_tokens: bool = True,
+        grammar: GrammarSpec | None = None,
     ) -> Request:
         """Validate and tokenize a request. Touches no engine state, so any thread may call it.
 
         A prompt rendered by the chat template already holds its special tokens (BOS
         included, where the template writes it): pass `add_special_tokens=False`.
+        `grammar`: the output must match it (compiled here, once per distinct schema).
         """
         params = params or SamplingParams()
         if (prompt is None) == (prompt_token_ids is None):
@@ -138,8 +148,13 @@ class LLMEngine:
             raise ContextLengthError(len(ids), params.max_tokens, self.max_model_len)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", "stop")
+        guide = None
+        if grammar is not None:
+            if self.grammars is None:
+                raise InvalidRequestError("structured outputs need a tokenizer", grammar.param)
+            guide = self.grammars.guide(grammar)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return Request(
+        request = Request(
             rid,
             ids,
             params,
@@ -149,11 +164,37 @@ class LLMEngine:
             cache_salt=cache_salt,
             eos_token_ids=self.eos_token_ids,
         )
+        request.guide = guide
+        return request
+
+    def fork(self, parent: Request, request_id: str, seed: int | None) -> Request:
+        """Another sample of `parent`'s prompt (n > 1): same prompt, params and salt, its
+        own seed. Added after the parent, it waits for the parent's prefill and then takes
+        the prompt's blocks from the prefix cache (only the last partial block is
+        recomputed)."""
+        child = Request(
+            request_id,
+            parent.prompt_token_ids,
+            replace(parent.params, seed=seed),
+            arrival_time=parent.arrival_time,
+            priority=parent.priority,
+            deadline=parent.deadline,
+            cache_salt=parent.cache_salt,
+            eos_token_ids=parent.eos_token_ids,
+        )
+        if parent.guide is not None:
+            child.guide = type(parent.guide)(parent.guide.pristine, parent.guide.compiler)
+        child.fork_of = parent.request_id
+        return child
 
     def add(self, request: Request) -> RequestOutput | None:
         """Queue a request. None when queued; a finished output with `error` when not."""
         try:
-            self.scheduler.add(request)
+            parent = self.scheduler.requests.get(request.fork_of or "")
+            if parent is not None and parent.num_output_tokens == 0:
+                self._held.setdefault(parent.request_id, []).append(request)
+            else:
+                self.scheduler.add(request)
             if self.tokenizer is not None:
                 self._detok[request.request_id] = IncrementalDetokenizer(
                     self.tokenizer.backend,
@@ -174,11 +215,36 @@ class LLMEngine:
         """Abort a request; its blocks are free when this returns. None if unknown."""
         req = self.scheduler.abort(request_id)
         if req is None:
-            return None
+            req = self._unhold(request_id)
+            if req is None:
+                return None
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = FinishReason.ABORT
+        self._release_forks()
         return self._output(req, [], None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._held)
+
+    def _unhold(self, request_id: str) -> Request | None:
+        for parent_id, held in self._held.items():
+            for req in held:
+                if req.request_id == request_id:
+                    held.remove(req)
+                    if not held:
+                        del self._held[parent_id]
+                    return req
+        return None
+
+    def _release_forks(self) -> None:
+        """Queue held samples whose parent has its prompt KV (or is gone)."""
+        if not self._held:
+            return
+        for parent_id in list(self._held):
+            parent = self.scheduler.requests.get(parent_id)
+            if parent is None or parent.num_output_tokens > 0:
+                for req in self._held.pop(parent_id):
+                    self.scheduler.add(req)
 
     # -- the step ---------------------------------------------------------------------
 
@@ -189,6 +255,7 @@ class LLMEngine:
         the others go on; raises EngineStepError only for a failure no request explains.
         """
         sched = self.scheduler
+        self._release_forks()
         out = sched.schedule()
         outputs = [self._output(req, [], None) for req in out.expired]
         if not out.scheduled:
@@ -209,6 +276,8 @@ class LLMEngine:
                 continue
             try:
                 req.append_token(token.token_id)
+                if req.guide is not None and not req.guide.accept(token.token_id):
+                    raise RuntimeError(f"token {token.token_id} breaks the request's grammar")
                 self.num_generated_tokens += 1
                 if req.first_token_time is None:
                     req.first_token_time = now
@@ -258,9 +327,13 @@ class LLMEngine:
     def _check_stop(self, req: Request, token_id: int) -> None:
         params = req.params
         detok = self._detok.get(req.request_id)
-        past_min = req.num_output_tokens > params.min_tokens
+        past_min = req.num_output_tokens > params.min_tokens or req.guide is not None
         if detok is not None:
             detok.push(token_id, check_stops=past_min)
+        if req.guide is not None and req.guide.is_done:
+            # The document is complete: only EOS could follow (ignore_eos or not).
+            stop = token_id if token_id in params.stop_token_ids else None
+            return self.scheduler.finish(req, FinishReason.STOP, stop)
         if past_min:
             if not params.ignore_eos and token_id in req.eos_token_ids:
                 return self.scheduler.finish(req, FinishReason.STOP)

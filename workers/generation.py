@@ -82,29 +82,48 @@ class _TokenClock:
         self.service.record_tokens(n)
 
 
-async def collect(
-    service: WorkerService, engine: AsyncEngine, req: EngineRequest, builder: ResponseBuilder
-) -> bytes:
-    """Run a request to the end; its whole response body."""
+async def _run_one(
+    engine: AsyncEngine, req: EngineRequest, clock: "_TokenClock"
+) -> tuple[str, list[int], list, RequestOutput]:
     texts: list[str] = []
     ids: list[int] = []
-    lps = []
+    lps: list = []
     last: RequestOutput | None = None
+    async for out in engine.generate(req):
+        last = out
+        texts.append(out.new_text)
+        ids += out.new_token_ids
+        clock.tokens(len(out.new_token_ids))
+        if out.logprobs:
+            lps += out.logprobs
+    assert last is not None
+    return "".join(texts), ids, lps, last
+
+
+async def collect(
+    service: WorkerService,
+    engine: AsyncEngine,
+    reqs: list[EngineRequest],
+    builder: ResponseBuilder,
+) -> bytes:
+    """Run a request's samples (n of them, the first one's prompt shared) to the end; the
+    whole response body."""
     clock = _TokenClock(service)
+    tasks = [asyncio.ensure_future(_run_one(engine, r, clock)) for r in reqs]
     try:
-        async for out in engine.generate(req):
-            last = out
-            texts.append(out.new_text)
-            ids += out.new_token_ids
-            clock.tokens(len(out.new_token_ids))
-            if out.logprobs:
-                lps += out.logprobs
+        results = await asyncio.gather(*tasks)
     except (RequestFailedError, EngineDeadError) as exc:
         raise engine_error(exc, streaming=False) from None
-    assert last is not None
-    _observe(service, req, last)
-    logprobs = builder.logprobs(lps, ids) if req.params.logprobs is not None else None
-    return msgspec.json.encode(builder.full("".join(texts), last, logprobs))
+    finally:
+        for t in tasks:
+            t.cancel()
+    choices, lasts = [], []
+    for index, (req, (text, ids, lps, last)) in enumerate(zip(reqs, results, strict=True)):
+        _observe(service, req, last)
+        logprobs = builder.logprobs(lps, ids, index) if req.params.logprobs is not None else None
+        choices.append(builder.choice(index, text, last, logprobs))
+        lasts.append(last)
+    return msgspec.json.encode(builder.full(choices, lasts))
 
 
 async def until_done_or_disconnect(request: Request, work: Awaitable[bytes]) -> bytes:
@@ -135,50 +154,55 @@ async def until_done_or_disconnect(request: Request, work: Awaitable[bytes]) -> 
 async def sse_stream(
     service: WorkerService,
     engine: AsyncEngine,
-    req: EngineRequest,
+    reqs: list[EngineRequest],
     builder: ResponseBuilder,
     include_usage: bool,
 ) -> AsyncIterator[bytes]:
-    """The SSE events of one request; closing the iterator aborts it in the engine."""
+    """The SSE events of a request's samples (chunks carry the choice index); closing the
+    iterator aborts them in the engine."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump() -> None:
+    async def pump(index: int, req: EngineRequest) -> None:
         try:
             async for out in engine.generate(req):
-                queue.put_nowait(out)
+                queue.put_nowait((index, out))
         except (RequestFailedError, EngineDeadError) as exc:
-            queue.put_nowait(exc)
+            queue.put_nowait((index, exc))
 
-    task = asyncio.ensure_future(pump())
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(reqs)]
     clock = _TokenClock(service)
-    first = True
+    first = [True] * len(reqs)
+    lasts: dict[int, RequestOutput] = {}
     try:
-        while True:
-            if first:
+        while len(lasts) < len(reqs):
+            if all(first):
                 try:
-                    item = await asyncio.wait_for(queue.get(), service.config.sse_heartbeat_s)
+                    index, item = await asyncio.wait_for(
+                        queue.get(), service.config.sse_heartbeat_s
+                    )
                 except TimeoutError:
                     yield b": keep-alive\n\n"
                     continue
             else:
-                item = await queue.get()
+                index, item = await queue.get()
             if isinstance(item, Exception):
                 yield sse(engine_error(item, streaming=True).body())
                 yield DONE
                 return
             out: RequestOutput = item
             clock.tokens(len(out.new_token_ids))
-            if out.new_token_ids or out.new_text or out.finished or first:
-                yield sse(builder.chunk(out.new_text, out, first))
-                first = False
+            if out.new_token_ids or out.new_text or out.finished or first[index]:
+                yield sse(builder.chunk(out.new_text, out, first[index], index))
+                first[index] = False
             if out.finished:
-                _observe(service, req, out)
-                if include_usage:
-                    yield sse(builder.usage_chunk(out))
-                yield DONE
-                return
+                _observe(service, reqs[index], out)
+                lasts[index] = out
+        if include_usage:
+            yield sse(builder.usage_chunk([lasts[i] for i in range(len(reqs))]))
+        yield DONE
     finally:
-        task.cancel()
+        for t in tasks:
+            t.cancel()
 
 
 async def exit_when_idle(service: WorkerService) -> None:

@@ -8,7 +8,9 @@ from workers.engine import RequestOutput
 from workers.errors import InvalidRequestError
 from workers.runner import TokenLogprobs
 from workers.sampling_params import SamplingParams
+from workers.structured import GrammarSpec
 from workers.tokenizer import CheckpointTokenizer
+from workers.tools import ToolPlan, ToolStream, template_messages, tool_grammar
 
 _UNSUPPORTED = {"presence_penalty": 0.0, "frequency_penalty": 0.0}
 
@@ -17,8 +19,8 @@ def sampling_params(
     req: CompletionRequest | ChatCompletionRequest, default_max_tokens: int
 ) -> SamplingParams:
     """SamplingParams for a request; ApiError(400) naming the field when invalid."""
-    if req.n != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
+    if req.n < 1:
+        raise ApiError(400, "n must be at least 1", param="n")
     for name, neutral in _UNSUPPORTED.items():
         if getattr(req, name) != neutral:
             raise ApiError(400, f"{name} is not supported by this server", param=name)
@@ -53,50 +55,103 @@ def sampling_params(
         raise ApiError(400, exc.message, param=exc.param) from None
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: CheckpointTokenizer) -> str:
+def grammar_of(
+    req: CompletionRequest | ChatCompletionRequest, tools: ToolPlan | None = None
+) -> GrammarSpec | None:
+    """What the output is constrained to: a forced tool call, else `response_format`."""
+    try:
+        if tools is not None:
+            forced = tool_grammar(tools, getattr(req, "parallel_tool_calls", True))
+            if forced is not None:
+                return forced
+        rf = req.response_format
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_object":
+            return GrammarSpec.from_schema({"type": "object"})
+        if rf.json_schema is None:
+            raise ApiError(
+                400,
+                "response_format of type json_schema needs `json_schema`",
+                param="response_format",
+            )
+        schema = rf.json_schema.schema
+        return GrammarSpec.from_schema(schema if schema is not None else {"type": "object"})
+    except InvalidRequestError as exc:
+        raise ApiError(400, exc.message, param=exc.param) from None
+
+
+def chat_prompt(
+    req: ChatCompletionRequest, tokenizer: CheckpointTokenizer, tools: ToolPlan | None = None
+) -> str:
     if not req.messages:
         raise ApiError(400, "messages must not be empty", param="messages")
     messages = []
-    for m in req.messages:
+    extras = template_messages(req)
+    for m, extra in zip(req.messages, extras, strict=True):
         content = m.content
         if isinstance(content, list):
             parts = [p.get("text") for p in content if p.get("type") == "text"]
             if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
                 raise ApiError(400, "only text content parts are supported", param="messages")
             content = "".join(parts)
-        messages.append({"role": m.role, "content": content or ""})
+        messages.append({**extra, "content": content or ""})
     try:
-        return tokenizer.render_chat(messages)
+        return tokenizer.render_chat(messages, tools.tools if tools is not None else None)
     except InvalidRequestError as exc:
         raise ApiError(400, exc.message, param=exc.param) from None
 
 
-def usage(out: RequestOutput) -> dict[str, Any]:
+def usage(outs: list[RequestOutput]) -> dict[str, Any]:
+    """The usage of a request's samples: the prompt once, every sample's output."""
+    first = outs[0]
+    completion = sum(o.num_output_tokens for o in outs)
     return {
-        "prompt_tokens": out.num_prompt_tokens,
-        "completion_tokens": out.num_output_tokens,
-        "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
-        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+        "prompt_tokens": first.num_prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.num_prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens},
     }
 
 
+def _finish(out: RequestOutput | None, tool_calls: bool) -> str | None:
+    if out is None or not out.finished:
+        return None
+    reason = "stop" if out.finish_reason is None else out.finish_reason.value
+    reason = "stop" if reason == "abort" else reason
+    return "tool_calls" if tool_calls and reason == "stop" else reason
+
+
 class ResponseBuilder:
-    """Builds the chunks and bodies of one response, completions or chat."""
+    """Builds the chunks and bodies of one response, completions or chat, of `n` choices.
+
+    With tools in use (`tools` a ToolPlan), each choice's text goes through a ToolStream:
+    content and `tool_calls` deltas while streaming, `message.tool_calls` at the end.
+    """
 
     def __init__(
-        self, request_id: str, model: str, chat: bool, tokenizer: CheckpointTokenizer | None
+        self,
+        request_id: str,
+        model: str,
+        chat: bool,
+        tokenizer: CheckpointTokenizer | None,
+        n: int = 1,
+        tools: ToolPlan | None = None,
     ):
         self.id = request_id
         self.model = model
         self.chat = chat
         self.tok = tokenizer
         self.created = int(time.time())
-        self._text_offset = 0
+        self._text_offset = [0] * n
+        self.tools = [ToolStream(tools) for _ in range(n)] if tools is not None else None
 
     def _token_text(self, token_id: int) -> str:
         return self.tok.decode([token_id], skip_special_tokens=False) if self.tok else str(token_id)
 
-    def logprobs(self, entries: list[TokenLogprobs], token_ids: list[int]) -> dict[str, Any]:
+    def logprobs(
+        self, entries: list[TokenLogprobs], token_ids: list[int], index: int = 0
+    ) -> dict[str, Any]:
         if self.chat:
             content = []
             for lp, tid in zip(entries, token_ids, strict=True):
@@ -116,12 +171,12 @@ class ResponseBuilder:
                         ],
                     }
                 )
-            return {"content": content}
+            return {"content": content, "refusal": None}
         tokens = [self._token_text(t) for t in token_ids]
         offsets = []
         for t in tokens:
-            offsets.append(self._text_offset)
-            self._text_offset += len(t)
+            offsets.append(self._text_offset[index])
+            self._text_offset[index] += len(t)
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in entries],
@@ -129,46 +184,72 @@ class ResponseBuilder:
             "text_offset": offsets,
         }
 
-    def chunk(self, text: str, out: RequestOutput | None, first: bool) -> dict[str, Any]:
-        finish = out.finish_reason.value if out is not None and out.finished else None
-        finish = "stop" if finish == "abort" else finish
+    def chunk(
+        self, text: str, out: RequestOutput | None, first: bool, index: int = 0
+    ) -> dict[str, Any]:
         lps = (
-            self.logprobs(out.logprobs, out.new_token_ids)
+            self.logprobs(out.logprobs, out.new_token_ids, index)
             if out is not None and out.logprobs
             else None
         )
-        if self.chat:
-            delta: dict[str, Any] = {"content": text} if text or not first else {}
-            if first:
-                delta = {"role": "assistant", "content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish}
-            return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish}
-        return self._envelope("text_completion", [choice])
+        if not self.chat:
+            finish = _finish(out, False)
+            choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": finish}
+            return self._envelope("text_completion", [choice])
+        delta: dict[str, Any] = {}
+        calls: list[dict[str, Any]] = []
+        if self.tools is not None:
+            text, calls = self.tools[index].push(text)
+            if out is not None and out.finished:
+                text += self.tools[index].flush()
+        if first:
+            delta["role"] = "assistant"
+        if text or (first and not calls):
+            delta["content"] = text
+        if calls:
+            delta["tool_calls"] = calls
+        finish = _finish(out, self.tools is not None and bool(self.tools[index].ids))
+        choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
+        return self._envelope("chat.completion.chunk", [choice])
 
-    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
+    def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._envelope(obj, []), "usage": usage(out)}
+        return {**self._envelope(obj, []), "usage": usage(outs)}
 
-    def full(
-        self, text: str, last: RequestOutput, logprobs: dict[str, Any] | None
+    def choice(
+        self, index: int, text: str, last: RequestOutput, logprobs: dict[str, Any] | None
     ) -> dict[str, Any]:
-        finish = last.finish_reason.value if last.finish_reason else None
-        if self.chat:
+        """One choice of a whole (non-streaming) response."""
+        if not self.chat:
             choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "index": index,
+                "text": text,
                 "logprobs": logprobs,
-                "finish_reason": finish,
+                "finish_reason": _finish(last, False),
             }
-            body = self._envelope("chat.completion", [choice])
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            body = self._envelope("text_completion", [choice])
+            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+            calls: list[dict[str, Any]] = []
+            if self.tools is not None:
+                stream = self.tools[index]
+                stream.text = text
+                calls = stream.calls()
+                message["content"] = stream.content()
+                if calls:
+                    message["tool_calls"] = calls
+            choice = {
+                "index": index,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": _finish(last, bool(calls)),
+            }
         if last.stop_reason is not None:
             choice["stop_reason"] = last.stop_reason
-        body["usage"] = usage(last)
-        return body
+        return choice
+
+    def full(self, choices: list[dict[str, Any]], lasts: list[RequestOutput]) -> dict[str, Any]:
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._envelope(obj, choices), "usage": usage(lasts)}
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {

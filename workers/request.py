@@ -48,6 +48,8 @@ class Request:
         "generator",
         "first_token_time",
         "first_scheduled_time",
+        "guide",
+        "fork_of",
     )
 
     def __init__(
@@ -82,6 +84,11 @@ class Request:
         self.generator: Any = None  # the runner's per-request RNG when `params.seed` is set
         self.first_token_time: float | None = None
         self.first_scheduled_time: float | None = None
+        # Structured outputs: the grammar matcher (`workers.structured.Guide`); None: free.
+        self.guide: Any = None
+        # n > 1: the id of the sample whose prompt KV this one reuses (held back until that
+        # one's prefill is done, so the prompt's blocks come from the prefix cache).
+        self.fork_of: str | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -4,11 +4,12 @@ Each row carries its own temperature, top-k, top-p and min-p; rows with a seed d
 from their own generator so their output does not depend on what they were batched with.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from workers.request import Request
+from workers.structured import apply_bitmask, fill_bitmask
 
 
 @dataclass
@@ -26,13 +27,17 @@ class SamplingBatch:
     any_min_p: bool
     banned: list[tuple[int, list[int]]]  # (row, token ids) masked out (min_tokens)
     max_logprobs: int | None  # largest `logprobs` asked for; None = nobody asked
+    guided_rows: list[int] = field(default_factory=list)  # rows under a grammar
+    bitmask: torch.Tensor | None = None  # [len(guided_rows), words] int32: allowed tokens
 
 
 def make_sampling_batch(requests: list[Request], device: torch.device) -> SamplingBatch:
     params = [r.params for r in requests]
     banned = []
+    guided_rows = [row for row, r in enumerate(requests) if r.guide is not None]
     for row, r in enumerate(requests):
-        if r.num_output_tokens < r.params.min_tokens:
+        # A grammar decides when EOS may come; min_tokens does not overrule it.
+        if r.num_output_tokens < r.params.min_tokens and r.guide is None:
             ids = list(r.params.stop_token_ids)
             if not r.params.ignore_eos:
                 ids.extend(r.eos_token_ids)
@@ -53,6 +58,8 @@ def make_sampling_batch(requests: list[Request], device: torch.device) -> Sampli
         any_min_p=any(p.min_p > 0.0 for p in params),
         banned=banned,
         max_logprobs=max(asked) if asked else None,
+        guided_rows=guided_rows,
+        bitmask=fill_bitmask([requests[i].guide for i in guided_rows]) if guided_rows else None,
     )
 
 
@@ -80,6 +87,8 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Next token per row ([rows] int64). `logits` are fp32 [rows, vocab] and not modified."""
+    if batch.bitmask is not None:
+        logits = apply_bitmask(logits, batch.guided_rows, batch.bitmask)
     if batch.banned:
         logits = logits.clone()
         for row, ids in batch.banned:

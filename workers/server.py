@@ -29,9 +29,11 @@ from workers.api import (
 from workers.async_engine import AsyncEngine
 from workers.errors import InvalidRequestError
 from workers.generation import collect, exit_when_idle, sse_stream, until_done_or_disconnect
-from workers.openai_format import ResponseBuilder, chat_prompt, sampling_params
+from workers.openai_format import ResponseBuilder, chat_prompt, grammar_of, sampling_params
 from workers.request import Request as EngineRequest
 from workers.service import WorkerService, bearer_matches
+from workers.structured import GrammarSpec
+from workers.tools import plan_tools
 from workers.validation import check_body_size, check_json_depth, check_request
 
 log = logging.getLogger(__name__)
@@ -100,23 +102,33 @@ def create_worker_app(service: WorkerService, on_startup: list[Callable] | None 
         if engine is None:
             raise service.refuse("the model is still loading", "loading", "model_loading")
         e = engine.engine
+        tools = None
         if chat:
             if e.tokenizer is None:
                 raise ApiError(400, "this model has no tokenizer for chat", param="messages")
-            prompt: str | list[int] = chat_prompt(body, e.tokenizer)
+            tools = plan_tools(body, e.tokenizer.chat_template)
+            prompt: str | list[int] = chat_prompt(body, e.tokenizer, tools)
         else:
             prompt = _completion_prompt(body.prompt)
-        engine_req = _make_engine_request(service, engine, prompt, params, body, chat)
+        grammar = grammar_of(body, tools)
+        make = _make_engine_request
+        args = (service, engine, prompt, params, body, chat, grammar)
+        # A new schema compiles off the event loop (milliseconds, a second for the first).
+        engine_req = await asyncio.to_thread(make, *args) if grammar else make(*args)
+        reqs = [engine_req] + [
+            e.fork(engine_req, f"{engine_req.request_id}-{i}", _sample_seed(params.seed, i))
+            for i in range(1, body.n)
+        ]
         engine = service.admit(engine_req.num_prompt_tokens)
-        builder = ResponseBuilder(engine_req.request_id, body.model, chat, e.tokenizer)
+        builder = ResponseBuilder(
+            engine_req.request_id, body.model, chat, e.tokenizer, body.n, tools
+        )
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         headers = {"x-request-id": engine_req.request_id}
         if body.stream:
-            stream = sse_stream(service, engine, engine_req, builder, include_usage)
+            stream = sse_stream(service, engine, reqs, builder, include_usage)
             return EventStream(stream, headers={**headers, "cache-control": "no-cache"})
-        result = await until_done_or_disconnect(
-            request, collect(service, engine, engine_req, builder)
-        )
+        result = await until_done_or_disconnect(request, collect(service, engine, reqs, builder))
         return Response(content=result, headers=headers, media_type="application/json")
 
     @post("/v1/completions", status_code=200)
@@ -205,8 +217,15 @@ def _completion_prompt(prompt: str | list[int | str]) -> str | list[int]:
     )
 
 
+def _sample_seed(seed: int | None, index: int) -> int | None:
+    """Sample `index`'s seed: its own stream, derived from the request's seed."""
+    if seed is None:
+        return None
+    return seed + index if seed + index < 2**64 else seed - index
+
+
 def _make_engine_request(
-    service, engine: AsyncEngine, prompt, params, body, chat: bool
+    service, engine: AsyncEngine, prompt, params, body, chat: bool, grammar: GrammarSpec | None
 ) -> EngineRequest:
     e = engine.engine
     if isinstance(prompt, str) and e.tokenizer is not None:
@@ -233,6 +252,7 @@ def _make_engine_request(
             params=params,
             priority=body.priority,
             cache_salt=body.cache_salt,
+            grammar=grammar,
             **kwargs,
         )
     except InvalidRequestError as exc:

@@ -44,14 +44,24 @@ class CheckpointTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text for a chat, with the generation prompt appended."""
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self.hf, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The prompt text for a chat, with the generation prompt appended; `tools` (OpenAI
+        shape) are rendered by the template."""
         if not self.has_chat_template:
             raise InvalidRequestError(
                 "this model has no chat template; use completions", "messages"
             )
         try:
-            return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.hf.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
+            )
         except Exception as exc:  # jinja errors on malformed messages
             raise InvalidRequestError(
                 f"cannot render the chat template: {exc}", "messages"

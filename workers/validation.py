@@ -40,6 +40,8 @@ class RequestLimits:
     max_content_parts: int = 256  # per chat message
     max_prompt_token_ids: int = 262144
     max_cache_salt_chars: int = 256  # the salt is hashed into every prefix-cache block
+    max_n: int = 16  # samples per request (each one a sequence in the engine)
+    max_tools: int = 128
     min_priority: int = -(2**31)
     max_priority: int = 2**31 - 1
 
@@ -146,8 +148,8 @@ def _chat_max_tokens(req: "ChatCompletionRequest") -> tuple[int | None, str]:
 
 
 def _check_sampling(req: Any, limits: RequestLimits, vocab: int | None, max_tokens: int | None):
-    if req.n != 1:
-        _bad("n", f"only n=1 is supported (got {req.n})")
+    if not 1 <= req.n <= limits.max_n:
+        _bad("n", f"n must be between 1 and {limits.max_n} (got {req.n})")
     if req.temperature is not None and not _in_range(req.temperature, 0.0, 2.0):
         _bad("temperature", "temperature must be between 0 and 2")
     if req.top_p is not None and not (0.0 < req.top_p <= 1.0):
@@ -222,6 +224,8 @@ def _check_chat(req: "ChatCompletionRequest", limits: RequestLimits) -> None:
             _bad("top_logprobs", "top_logprobs requires logprobs=true")
         if not 0 <= req.top_logprobs <= limits.max_logprobs:
             _bad("top_logprobs", f"top_logprobs must be between 0 and {limits.max_logprobs}")
+    if req.tools is not None and len(req.tools) > limits.max_tools:
+        _bad("tools", f"at most {limits.max_tools} tools are allowed")
     if not req.messages:
         _bad("messages", "messages must not be empty")
     if len(req.messages) > limits.max_messages:

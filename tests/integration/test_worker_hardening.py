@@ -178,7 +178,7 @@ BAD_COMPLETIONS = [
     ({"logprobs": 21}, "logprobs"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": ["y" * 257]}, "stop"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
     ({"priority": 2**40}, "priority"),
     ({"min_tokens": 9}, "min_tokens"),
     ({"min_p": 2}, "min_p"),

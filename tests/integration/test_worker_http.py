@@ -175,7 +175,7 @@ def test_non_streaming_disconnect_aborts_and_frees_kv(worker):
         ({"stop": [""]}, 400, "stop"),
         ({"model": "nope"}, 404, "model"),
         ({"max_tokens": 5000}, 400, "max_tokens"),
-        ({"n": 3}, 400, "n"),
+        ({"n": 17}, 400, "n"),
         ({"prompt": 12}, 400, "prompt"),
     ],
 )

@@ -39,7 +39,7 @@ def eventually(predicate, timeout_s: float = 5.0) -> bool:
         ({"stop": ["x"] * 50}, "stop"),
         ({"stop": ["y" * 10_000]}, "stop"),
         ({"logprobs": 10_000}, "logprobs"),
-        ({"n": 3}, "n"),
+        ({"n": 17}, "n"),
         ({"temperature": -1}, "temperature"),
         ({"min_tokens": 50}, "min_tokens"),
     ],

@@ -75,7 +75,7 @@ BAD_COMPLETIONS = [
     ({"max_tokens": MAX_LEN}, "max_tokens"),  # no room left for any prompt
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": -1}, "logprobs"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
     ({"n": 0}, "n"),
     ({"priority": 2**31}, "priority"),
     ({"priority": -(2**31) - 1}, "priority"),
