@@ -77,7 +77,8 @@ class Outcome:
 
 def _client_deadline_answered_as_overload(case: Case, out: "Outcome") -> bool:
     """A 5xx (503 + Retry-After, or an in-band timeout) for an `x-request-timeout` shorter
-    than the request needs, on an idle gateway. tests/fuzz/test_regressions.py."""
+    than the request needs, on an idle gateway; a stream cut so is charged what it relayed
+    but tells no usage. tests/fuzz/test_regressions.py."""
     try:
         timeout_s = float(dict(case.headers).get("x-request-timeout", "nan"))
     except ValueError:
@@ -114,7 +115,8 @@ class FuzzStats:
     failures: list[dict] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
 
-    def record(self, case: Case, out: Outcome) -> None:
+    def record(self, case: Case, out: Outcome) -> bool:
+        """Count the outcome; True when it is one of KNOWN_ISSUES (not judged further)."""
         self.inputs += 1
         self.statuses[str(out.status)] += 1
         self.streams += out.streamed
@@ -126,7 +128,7 @@ class FuzzStats:
             if self.known[known[0]] <= 2:
                 problem = f"known issue {known[0]}: {out.problems}"
                 self.failures.append({"problem": problem, "request": case.describe()})
-            return
+            return True
         if out.status is not None and out.status >= 500:
             self.five_xx += 1
         for problem in out.problems:
@@ -137,6 +139,7 @@ class FuzzStats:
             elif not problem.startswith("5xx"):
                 self.bad_answers += 1
             self.fail(problem, case)
+        return False
 
     def fail(self, problem: str, case: Case) -> None:
         if len(self.failures) < MAX_REPRODUCERS:

@@ -279,7 +279,23 @@ def m_max_tokens(draw, body, vocab):
     name = "max_tokens"
     if "messages" in body:
         name = draw(st.sampled_from(["max_tokens", "max_completion_tokens"]))
-    hostile = [0, -1, 2047, 2048, 2049, 4096, 4097, 10**6, 2**31, 2**63, 2**64, 10**30, -(2**63)]
+    hostile = [
+        0,
+        -1,
+        300,
+        1000,
+        2047,
+        2048,
+        2049,
+        4096,
+        4097,
+        10**6,
+        2**31,
+        2**63,
+        2**64,
+        10**30,
+        -(2**63),
+    ]
     body[name] = draw(
         st.one_of(st.sampled_from(hostile), st.sampled_from([1.5, "8", True, 8.0]), any_int)
     )
@@ -500,8 +516,8 @@ def whole_body_fault(draw: st.DrawFn, content: bytes) -> tuple[bytes, str]:
 
 TIMEOUTS = [
     "NaN", "nan", "inf", "-inf", "Infinity", "-1", "0", "-0", "1e309", "abc", "", "1e-9",
-    "0.0001", "0.5", "86400", "86401", "1" * 400, "30", "1e3", "0x10", "+5", "5s", "5 s",
-    "\xa0",
+    "0.0001", "0.05", "0.2", "0.5", "86400", "86401", "1" * 400, "30", "1e3", "0x10", "+5",
+    "5s", "5 s", "\xa0",
 ]  # fmt: skip
 BAD_AUTH = [
     None, "Bearer", f"Bearer\t{KEY}", "Basic dXNlcjpwYXNz", "Bearer wrong", "Bearer sy-deadbeef-00",

@@ -11,7 +11,8 @@ with nothing resident.
 Two tenants: requests whose client is told its usage (non-streaming, or streaming with
 `stream_options.include_usage`) go to `counted`, whose Redis counter is checked exactly;
 the rest (streams without the usage chunk, bodies that are not JSON objects) go to
-`uncounted`, checked for answers and slots only.
+`uncounted`, checked for answers and slots only. Outcomes matching `harness.KNOWN_ISSUES`
+(bugs reported and kept as strict xfails in test_regressions.py) are counted apart.
 """
 
 import time
@@ -52,10 +53,12 @@ def test_gateway_survives_generated_requests_and_charges_what_it_reports(gateway
         def check(case):
             tenant = "counted" if case.countable else "uncounted"
             outcome = send(client, case, keys[tenant])
-            stats.record(case, outcome)
+            known = stats.record(case, outcome)
             if tenant == "counted":
                 expected["counted"] += outcome.told_tokens
-            ok, usage = settled_usage(client, keys[tenant], expected.get(tenant))
+            ok, usage = settled_usage(client, keys[tenant], None if known else expected.get(tenant))
+            if known and tenant == "counted":  # charged what it relayed, told nothing
+                expected["counted"] = usage["tokens_today"]
             if not ok:
                 if usage["concurrent_requests"]:
                     stats.slots_left += 1
