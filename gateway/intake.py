@@ -20,6 +20,7 @@ from gateway.plan import (
     affinity_of,
     check_context,
     client_logprobs,
+    is_structured,
     max_tokens_of,
     timeout_of,
 )
@@ -143,7 +144,7 @@ def prepare(
     vocab_size, model_len = gw.pools[pool].model_limits()
     check_request(req, cfg.request_limits, vocab_size=vocab_size, max_model_len=model_len)
     if isinstance(req, GatewayChatRequest):
-        prompt_tokens = gw.counter.chat(pool, req.messages)
+        prompt_tokens = gw.counter.chat(pool, req.messages, req.tools, req.tool_choice)
     else:
         prompt_tokens = gw.counter.completion(pool, req.prompt)
     check_context(prompt_tokens, max_tokens, tenant.limits.max_context, model_len)
@@ -168,6 +169,8 @@ def prepare(
         score=decision.score if decision else None,
         threshold=decision.threshold if decision else None,
         escalation=escalation,
+        n=req.n,
+        structured=is_structured(req),
     )
 
 
@@ -188,5 +191,6 @@ def _decide(gw: Gateway, tenant: Tenant, key_id: str | None, req: PublicRequest,
         large.estimated_wait_s(),
         len(large.queue) >= large.queue_config.max_requests,
         request_threshold=req.switchyard_threshold,
+        structured=is_structured(req),
         key_threshold=router.settings.key_thresholds.get(key_id) if key_id else None,
     )

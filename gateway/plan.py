@@ -51,11 +51,13 @@ class Plan:
     score: float | None = None  # auto routing only
     threshold: float | None = None
     escalation: EscalationSettings | None = None  # set when an unsure answer re-runs
+    n: int = 1  # samples: each may generate max_tokens; the prompt is computed once
+    structured: bool = False  # tools or a response_format schema constrain the output
 
     @property
     def attempt_tokens(self) -> int:
-        """What one attempt may use: prompt plus every token it may generate."""
-        return self.prompt_tokens + self.max_tokens
+        """What one attempt may use: prompt plus every token its `n` samples may generate."""
+        return self.prompt_tokens + self.n * self.max_tokens
 
     @property
     def reserve_tokens(self) -> int:
@@ -127,6 +129,16 @@ def affinity_of(req: PublicRequest) -> bytes | None:
     return prefix_key(prompt) if prompt else None
 
 
+def is_structured(req: PublicRequest) -> bool:
+    """Tools or a JSON response format: the cascade's flag for constrained output."""
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        return True
+    if isinstance(req, GatewayChatRequest):
+        return bool(req.tools) and req.tool_choice != "none"
+    return False
+
+
 def client_logprobs(req: PublicRequest) -> bool:
     if isinstance(req, GatewayChatRequest):
         return req.logprobs
@@ -181,5 +193,5 @@ def charge(plan: Plan, served: Served) -> int:
         prompt = served.usage_prompt_tokens
         return (plan.prompt_tokens if prompt is None else prompt) + served.usage_completion_tokens
     if served.accepted:
-        return plan.prompt_tokens + min(served.tokens_relayed, plan.max_tokens)
+        return plan.prompt_tokens + min(served.tokens_relayed, plan.n * plan.max_tokens)
     return 0

@@ -39,6 +39,7 @@ class Decision:
     route: str  # classifier | overflow | fallback (escalated is decided after the answer)
     score: float | None
     threshold: float | None
+    structured: bool = False  # the request had tools or a JSON schema
 
 
 class RoutingMetrics:
@@ -149,7 +150,10 @@ class Router:
         large_queue_full: bool,
         request_threshold: float | None = None,
         key_threshold: float | None = None,
+        structured: bool = False,
     ) -> Decision:
+        """`structured`: the request's output is constrained (tools, a JSON schema); a flag
+        carried to the decision and the debug log (the classifier is not trained on it)."""
         s = self.settings
         t0 = time.perf_counter()
         try:
@@ -177,12 +181,13 @@ class Router:
         if log.isEnabledFor(logging.DEBUG):
             top = self.scorer.explain(prompt, messages, max_tokens, top=5)
             log.debug(
-                "auto: score %.3f threshold %.3f -> %s (%s); top features %s",
+                "auto: score %.3f threshold %.3f -> %s (%s, structured %s); top features %s",
                 score,
                 threshold,
                 pool,
                 reason,
+                structured,
                 top,
             )
         self.metrics.decisions.labels(pool, reason).inc()
-        return Decision(pool, reason, score, threshold)
+        return Decision(pool, reason, score, threshold, structured)

@@ -7,11 +7,14 @@ tokenizer is estimated from the bytes of every field, at `_BYTES_PER_TOKEN_ESTIM
 reservation is reconciled to the worker's own count afterwards.
 """
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
-from workers.api import ApiError, ChatMessage
+import msgspec
+
+from workers.api import ApiError, ChatMessage, Tool, ToolChoice
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +43,17 @@ class PoolTokenizer:
     def count(self, text: str) -> int:
         return len(self.fast.encode(text, add_special_tokens=False).ids)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str | None:
-        """The prompt the worker will build; None when the checkpoint has no template."""
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str | None:
+        """The prompt the worker will build (tools rendered by the template); None when the
+        checkpoint has no template."""
         if self.hf is None:
             return None
         try:
-            return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.hf.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
+            )
         except Exception as exc:  # jinja errors on malformed messages
             raise ApiError(
                 400, f"cannot render the chat template: {exc}", param="messages"
@@ -54,6 +62,49 @@ class PoolTokenizer:
 
 def load_tokenizer(path: str) -> PoolTokenizer:
     return PoolTokenizer(path)
+
+
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    """A message as the worker gives it to the template (`workers.tools.template_messages`):
+    earlier calls with their arguments as objects, the call id a tool message answers."""
+    msg: dict[str, Any] = {"role": m.role, "content": _text_of(m.content)}
+    if m.tool_calls:
+        msg["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": _loads(c.function.arguments)},
+            }
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        msg["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        msg["name"] = m.name
+    return msg
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _tool_dicts(tools: list[Tool] | None, choice: ToolChoice | None) -> list[dict] | None:
+    """The tools the worker renders: none with `tool_choice: none`."""
+    if not tools or choice == "none":
+        return None
+    out = []
+    for t in tools:
+        f: dict[str, Any] = {"name": t.function.name}
+        if t.function.description is not None:
+            f["description"] = t.function.description
+        f["parameters"] = (
+            t.function.parameters if t.function.parameters is not None else {"type": "object"}
+        )
+        out.append({"type": "function", "function": f})
+    return out
 
 
 def _text_of(content: Any) -> str:
@@ -82,16 +133,23 @@ class PromptCounter:
             return self.text(pool, prompt[0])
         return len(prompt)
 
-    def chat(self, pool: str, messages: list[ChatMessage]) -> int:
+    def chat(
+        self,
+        pool: str,
+        messages: list[ChatMessage],
+        tools: list[Tool] | None = None,
+        tool_choice: ToolChoice | None = None,
+    ) -> int:
+        """The chat's prompt tokens, the tools' definitions rendered by the template."""
+        tool_dicts = _tool_dicts(tools, tool_choice)
         tok = self._tok.get(pool)
         if tok is not None:
-            rendered = tok.render_chat(
-                [{"role": m.role, "content": _text_of(m.content)} for m in messages]
-            )
+            rendered = tok.render_chat([_template_message(m) for m in messages], tool_dicts)
             if rendered is not None:
                 return tok.count(rendered)
-        total = 3
+        total = 3 + (self.text(pool, json.dumps(tool_dicts)) if tool_dicts else 0)
         for m in messages:
-            fields = (m.role, m.name or "", _text_of(m.content))
+            calls = json.dumps([msgspec.to_builtins(c) for c in m.tool_calls or []])
+            fields = (m.role, m.name or "", _text_of(m.content), calls, m.tool_call_id or "")
             total += _CHAT_TOKENS_PER_MESSAGE + self.text(pool, "".join(fields))
         return total

@@ -170,9 +170,7 @@ def test_json_schema_without_a_schema_field_is_a_400(worker):
 def test_schemas_compile_once_and_are_served_from_the_cache(demo_dir):
     engine = LLMEngine.from_pretrained(
         demo_dir,
-        EngineConfig(
-            num_kv_blocks=64, block_size=16, scheduler=SchedulerConfig(max_num_seqs=8)
-        ),
+        EngineConfig(num_kv_blocks=64, block_size=16, scheduler=SchedulerConfig(max_num_seqs=8)),
     )
     spec = GrammarSpec.from_schema(SCHEMAS["numbers"])
     for _ in range(5):

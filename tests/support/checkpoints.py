@@ -73,3 +73,53 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()
+
+
+# A Qwen2.5-style (Hermes) template with tool support: tools in a system block, calls as
+# <tool_call>{json}</tool_call>, tool results rendered back as <tool_response>.
+QWEN_TOOL_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are helpful.{% endif %}
+
+# Tools
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and loop.first %}
+{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant
+{% if message.content %}{{ message.content }}{% endif %}
+{%- for call in message.tool_calls %}\
+{% set f = call.function if call.function is defined else call %}
+<tool_call>
+{"name": "{{ f.name }}", "arguments": {{ f.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def with_chat_template(src: Path, out: Path, template: str = QWEN_TOOL_TEMPLATE) -> Path:
+    """A copy of checkpoint `src` whose tokenizer has `template` as its chat template."""
+    import shutil
+
+    shutil.copytree(src, out)
+    (out / "chat_template.jinja").write_text(template)
+    return out

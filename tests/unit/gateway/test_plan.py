@@ -12,6 +12,7 @@ from gateway.plan import (
     affinity_of,
     charge,
     check_context,
+    is_structured,
     max_tokens_of,
     timeout_of,
     upstream_body,
@@ -120,6 +121,18 @@ def test_escalation_reserves_both_attempts():
     assert plan().reserve_tokens == 30
     escalating = plan(escalation=EscalationSettings(enabled=True))
     assert escalating.reserve_tokens == 60
+
+
+def test_n_samples_reserve_the_prompt_once_and_n_budgets():
+    assert plan(n=3).attempt_tokens == 10 + 3 * 20
+    assert plan(n=3, escalation=EscalationSettings(enabled=True)).reserve_tokens == 140
+    assert charge(plan(n=3), Served(accepted=True, tokens_relayed=999)) == 70
+
+
+def test_tools_and_json_formats_are_flagged_structured():
+    assert is_structured(completion(response_format={"type": "json_object"}))
+    assert not is_structured(completion(response_format={"type": "text"}))
+    assert not is_structured(completion())
 
 
 def test_charge_is_usage_when_known():

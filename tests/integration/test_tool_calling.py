@@ -1,0 +1,168 @@
+"""Tool calling through the official `openai` client against a worker whose checkpoint has
+a Qwen2-style tool template: forced calls always validate, streamed deltas reassemble,
+`tool` messages are rendered back, and a template without tools is a clear 400."""
+
+import json
+
+import httpx
+import pytest
+
+from gateway.tokens import PoolTokenizer, PromptCounter
+from tests.support.checkpoints import with_chat_template
+from tests.support.worker import running_worker
+from workers.api import ChatCompletionRequest, decode_request
+from workers.openai_format import chat_prompt
+from workers.tokenizer import CheckpointTokenizer
+from workers.tools import plan_tools
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["C", "F"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_dir(demo_dir, tmp_path_factory):
+    return with_chat_template(demo_dir, tmp_path_factory.mktemp("tools") / "small")
+
+
+@pytest.fixture(scope="module")
+def client(tool_dir):
+    with running_worker(tool_dir) as w:
+        yield openai.OpenAI(base_url=f"{w.url}/v1", api_key="unused")
+
+
+def _valid(name: str, arguments: str) -> None:
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def test_a_named_function_is_called_with_valid_arguments(client):
+    for seed in range(3):
+        done = client.chat.completions.create(
+            model="small",
+            messages=USER,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            max_tokens=120,
+            temperature=1.0,
+            seed=seed,
+        )
+        choice = done.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name == "get_weather"
+        _valid(call.function.name, call.function.arguments)
+
+
+def test_required_streams_arguments_that_reassemble_into_valid_calls(client):
+    kw = dict(
+        model="small",
+        messages=USER,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=160,
+        temperature=0.8,
+        seed=4,
+    )
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    calls: dict[int, dict] = {}
+    num_argument_deltas = 0
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for d in chunk.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"name": None, "arguments": ""})
+            if d.function.name:
+                call["name"] = d.function.name
+            if d.function.arguments:
+                call["arguments"] += d.function.arguments
+                num_argument_deltas += 1
+    assert calls and num_argument_deltas > len(calls)  # streamed as generated
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (w.function.name, w.function.arguments) for w in whole
+    ]
+    for c in calls.values():
+        _valid(c["name"], c["arguments"])
+
+
+def test_parallel_tool_calls_false_gives_one_call(client):
+    done = client.chat.completions.create(
+        model="small",
+        messages=USER,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=120,
+        seed=1,
+    )
+    assert len(done.choices[0].message.tool_calls) == 1
+
+
+def test_a_tool_result_is_rendered_back_and_answered(client, tool_dir):
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    messages = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"},
+    ]
+    done = client.chat.completions.create(
+        model="small", messages=messages, tools=TOOLS, tool_choice="auto", max_tokens=8
+    )
+    assert done.choices[0].message.role == "assistant"
+    body = {"model": "small", "messages": messages, "tools": TOOLS}
+    req = decode_request(json.dumps(body).encode(), ChatCompletionRequest)
+    tok = CheckpointTokenizer(tool_dir)
+    prompt = chat_prompt(req, tok, plan_tools(req, tok.chat_template))
+    assert "<tool_response>\nsunny, 24 C\n</tool_response>" in prompt
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
+    assert '"name": "get_time"' in prompt  # the tools themselves
+    # The gateway counts what the worker renders, tools included.
+    counter = PromptCounter({"small": PoolTokenizer(str(tool_dir))})
+    counted = counter.chat("small", req.messages, req.tools, req.tool_choice)
+    assert counted == len(tok.encode(prompt, add_special_tokens=False))
+
+
+def test_a_template_without_tool_support_is_a_400(demo_dir):
+    with running_worker(demo_dir) as w:
+        r = httpx.post(
+            f"{w.url}/v1/chat/completions",
+            json={"model": "small", "messages": USER, "tools": TOOLS, "max_tokens": 4},
+            timeout=30,
+        )
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "tools" and err["code"] == "tools_not_supported"
+
+
+def test_an_unknown_named_function_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(
+            model="small",
+            messages=USER,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
+    assert exc.value.body["param"] == "tool_choice"

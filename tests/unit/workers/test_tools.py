@@ -1,0 +1,74 @@
+"""Reading tool calls out of generated text, whole and streamed, per template family."""
+
+import json
+
+import pytest
+
+from workers.tools import ToolPlan, ToolStream, parse_calls, template_family
+
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+QWEN = f"Let me check.<tool_call>\n{CALL}\n</tool_call>"
+LLAMA = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+MISTRAL = f'[TOOL_CALLS][{CALL}, {{"name": "t", "arguments": {{}}}}]'
+PARIS = ("get_weather", {"city": "Paris"})
+NESTED = '[{"name": "f", "arguments": {"a": [1, {"b": "}"}]}}]'
+
+
+@pytest.mark.parametrize(
+    "fmt, text, content, calls",
+    [
+        ("qwen", QWEN, "Let me check.", [("get_weather", {"city": "Paris"})]),
+        ("llama", LLAMA, "", [("get_weather", {"city": "Paris"})]),
+        (
+            "llama",
+            "<|python_tag|>" + LLAMA + "; " + LLAMA,
+            "",
+            [("get_weather", {"city": "Paris"})] * 2,
+        ),
+        ("mistral", MISTRAL, "", [("get_weather", {"city": "Paris"}), ("t", {})]),
+        ("qwen", "no calls here", "no calls here", []),
+        (
+            "required",
+            '[{"name": "f", "arguments": {"a": [1, {"b": "}"}]}}]',
+            "",
+            [("f", {"a": [1, {"b": "}"}]})],
+        ),
+    ],
+)
+def test_calls_are_parsed_per_family(fmt, text, content, calls):
+    got_content, got = parse_calls(text, fmt)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    assert all(c.complete for c in got)
+
+
+@pytest.mark.parametrize("fmt, text", [("qwen", QWEN), ("llama", LLAMA), ("mistral", MISTRAL)])
+def test_streamed_deltas_reassemble_to_the_whole_parse(fmt, text):
+    stream = ToolStream(ToolPlan(fmt, []))
+    content, calls = "", {}
+    for ch in text:  # one character per step: the hardest split
+        c, deltas = stream.push(ch)
+        content += c
+        for d in deltas:
+            call = calls.setdefault(d["index"], {"name": "", "arguments": ""})
+            if "id" in d:
+                call["name"] = d["function"]["name"]
+            call["arguments"] += d["function"]["arguments"]
+    want_content, want = parse_calls(text, fmt)
+    assert content == want_content
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (w.name, w.arguments) for w in want
+    ]
+
+
+def test_a_marker_prefix_is_held_back_until_it_resolves():
+    stream = ToolStream(ToolPlan("qwen", []))
+    assert stream.push("hi <tool")[0] == "hi "
+    assert stream.push("s are nice")[0] == "<tools are nice"
+
+
+def test_template_family_from_the_template_text():
+    assert template_family("{{ messages }}") is None
+    assert template_family("{% if tools %}<tool_call>{% endif %}") == "qwen"
+    assert template_family("{% if tools %}[TOOL_CALLS]{% endif %}") == "mistral"
+    assert template_family("{% if tools %}<|python_tag|>{% endif %}") == "llama"
