@@ -71,7 +71,7 @@ def create_gateway_app(gw: Gateway) -> Litestar:
             # Requests still running were cancelled by the server's grace period; their
             # flights closed their upstreams and scheduled their reconciles.
             poller.cancel()
-            await gw.drain_background()
+            await gw.settle_all()
             stop.set()
             await asyncio.gather(upkeep, return_exceptions=True)
             await gw.maintenance.close()

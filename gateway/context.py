@@ -4,6 +4,7 @@ import asyncio
 import hashlib
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,7 @@ from gateway.tokens import PromptCounter
 from quota.limiter import QuotaLimiter, Reservation
 from quota.store import TenantStore
 from quota.sweeper import QuotaMaintenance
-from workers.api import WorkerClient
+from workers.api import ApiError, WorkerClient
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +37,14 @@ class Gateway:
     rng: random.Random = field(default_factory=random.Random)
     metrics: "GatewayMetrics | None" = None
     router: "Router | None" = None  # the cascade, for `model: auto`
+    # Per pool, what a fleet supervisor in this process knows (replicas, the autoscaler's
+    # last decision), merged into GET /admin/fleet; None: the pools are static URL lists.
+    fleet_status: "Callable[[], dict[str, Any]] | None" = None
     # Keys that authenticated recently, used only while Redis is unreachable (stale if
     # error): a known key keeps working through an outage, an unknown key never does.
     known_keys: dict[bytes, tuple[Any, float]] = field(default_factory=dict)
     _background: set[asyncio.Task] = field(default_factory=set)
+    flights: set[Any] = field(default_factory=set)  # requests not settled yet (gateway.flight)
 
     def cache_salt(self, tenant_id: str) -> str:
         """Prefix-cache namespace per tenant: one tenant's cached prompts never serve another."""
@@ -62,9 +67,35 @@ class Gateway:
         except Exception:
             log.exception("reconcile failed for %s", reservation.request_id)
 
-    async def drain_background(self, timeout_s: float = 10.0) -> None:
-        """Wait for background work (reconciles, closes), at most `timeout_s`."""
-        if self._background:
-            done, pending = await asyncio.wait(set(self._background), timeout=timeout_s)
-            if pending:
-                log.warning("shutdown: %d background tasks unfinished", len(pending))
+    def abort_flights(self) -> int:
+        """Cut every request still in flight short (shutdown's grace is over): each answers
+        its client with a 503 `shutting_down` (in-band on a committed stream) and settles.
+        Returns how many were cut."""
+        flights = list(self.flights)
+        for flight in flights:
+            flight.abort(
+                ApiError(
+                    503,
+                    "the gateway is shutting down; retry the request",
+                    type="server_error",
+                    code="shutting_down",
+                    retry_after_s=1.0 + self.rng.random(),
+                )
+            )
+        if flights:
+            log.warning("shutdown: cut %d requests still in flight", len(flights))
+        return len(flights)
+
+    async def settle_all(self, timeout_s: float = 10.0) -> None:
+        """At shutdown: settle every request not settled yet (one whose task the server
+        cancelled may not have run its `finally` yet), then wait for background work
+        (reconciles, closes) until none is left, at most `timeout_s`."""
+        for flight in list(self.flights):
+            flight.finish()
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._background:
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                log.warning("shutdown: %d background tasks unfinished", len(self._background))
+                return
+            await asyncio.wait(set(self._background), timeout=remaining)

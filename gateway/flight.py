@@ -30,6 +30,7 @@ class Attempt:
     lease: Lease
     served: Served = field(default_factory=Served)
     upstream: httpx.Response | None = None
+    reading: "asyncio.Future | None" = None  # the relay's pending read (abort cancels it)
 
 
 class Flight:
@@ -40,6 +41,9 @@ class Flight:
         self.reservation = reservation
         self.attempts: list[Attempt] = []
         self.finished = False
+        self.abort_error: Exception | None = None  # why the gateway cut this request short
+        self.aborted = asyncio.Event()
+        gw.flights.add(self)
 
     def attempt(self, pool_name: str) -> Attempt:
         """A new attempt on `pool_name`, queued at once: raises QueueFull or
@@ -69,11 +73,23 @@ class Flight:
     def charged_tokens(self) -> int:
         return sum(charge(self.plan, a.served) for a in self.attempts)
 
+    def abort(self, error: Exception) -> None:
+        """Cut the request short (the gateway is shutting down): whoever serves it answers
+        the client with `error`, in-band for a committed stream, then finishes."""
+        if self.finished or self.abort_error is not None:
+            return
+        self.abort_error = error
+        self.aborted.set()
+        for a in self.attempts:
+            if a.reading is not None and not a.reading.done():
+                a.reading.cancel()
+
     def finish(self) -> None:
         """Close, release and reconcile, once."""
         if self.finished:
             return
         self.finished = True
+        self.gw.flights.discard(self)
         for a in self.attempts:
             if a.upstream is not None:
                 self._close(a.upstream)

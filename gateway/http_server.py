@@ -4,12 +4,16 @@ uvicorn closes a keep-alive connection idle after a response, but a connection t
 never sends a whole request head (or sends one byte at a time) is held forever. The
 protocol here gives every request head `header_timeout_s` from the moment the connection
 is made or its previous response ended; bodies are bounded by the handlers
-(`GatewayConfig.body_timeout_s`). `timeout_graceful_shutdown` bounds SIGTERM: requests
-still running after the grace period are cancelled, which settles them (their upstream
-closed, their reservation reconciled) before the process exits.
+(`GatewayConfig.body_timeout_s`). `GatewayServer` bounds SIGTERM: when the grace period is over it
+calls `on_grace_over` (the gateway cuts what is still in flight: each request answers
+its client with a 503 `shutting_down`, in-band on a committed stream, and settles);
+uvicorn's own `timeout_graceful_shutdown`, a little later, is the backstop that cancels
+any handler still running.
 """
 
 import asyncio
+import socket
+from collections.abc import Callable
 
 import h11
 import uvicorn
@@ -56,6 +60,27 @@ def head_timeout_protocol(header_timeout_s: float) -> type[H11Protocol]:
     return type("HeadTimeoutH11", (_HeadTimeoutH11,), {"header_timeout_s": header_timeout_s})
 
 
+_BACKSTOP_S = 3.0  # after the grace: time for cut requests to answer before uvicorn cancels
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn.Server that calls `on_grace_over` once `grace_s` of shutdown have passed."""
+
+    def __init__(
+        self, config: uvicorn.Config, grace_s: float, on_grace_over: Callable[[], object]
+    ) -> None:
+        super().__init__(config)
+        self.grace_s = grace_s
+        self.on_grace_over = on_grace_over
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        timer = asyncio.get_running_loop().call_later(self.grace_s, self.on_grace_over)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
 def server_config(
     app: object,
     host: str,
@@ -73,5 +98,5 @@ def server_config(
         log_level=log_level,
         http=head_timeout_protocol(header_timeout_s),
         timeout_keep_alive=max(1, round(keep_alive_timeout_s)),
-        timeout_graceful_shutdown=max(1, round(shutdown_grace_s)),
+        timeout_graceful_shutdown=max(1, round(shutdown_grace_s + _BACKSTOP_S)),
     )

@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import httpx
-import uvicorn
 from litestar import Litestar
 from prometheus_client import CollectorRegistry
 
@@ -15,7 +14,7 @@ from gateway.app import create_gateway_app
 from gateway.config import GatewayConfig
 from gateway.context import Gateway
 from gateway.embedded_redis import EmbeddedRedis
-from gateway.http_server import server_config
+from gateway.http_server import GatewayServer, server_config
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool
 from gateway.routing import Router, RoutingMetrics
@@ -124,18 +123,19 @@ def _build_router(config: GatewayConfig, redis, registry: CollectorRegistry, poo
     )
 
 
-def gateway_app(config: GatewayConfig) -> tuple[Litestar, EmbeddedRedis | None]:
+def gateway_app(config: GatewayConfig) -> tuple[Litestar, Gateway, EmbeddedRedis | None]:
     embedded = None
     url = config.redis_url
     if url is None:
         embedded = EmbeddedRedis(Path(config.data_dir) / "redis")
         url = embedded.url
-    return create_gateway_app(build_gateway(config, url)), embedded
+    gw = build_gateway(config, url)
+    return create_gateway_app(gw), gw, embedded
 
 
 def serve_gateway(config: GatewayConfig, host: str, port: int) -> None:
     sys.setswitchinterval(0.001)
-    app, embedded = gateway_app(config)
+    app, gw, embedded = gateway_app(config)
     log.info(
         "gateway on http://%s:%d, pools %s",
         host,
@@ -151,7 +151,7 @@ def serve_gateway(config: GatewayConfig, host: str, port: int) -> None:
             keep_alive_timeout_s=config.keep_alive_timeout_s,
             shutdown_grace_s=config.shutdown_grace_s,
         )
-        uvicorn.Server(server_cfg).run()
+        GatewayServer(server_cfg, config.shutdown_grace_s, gw.abort_flights).run()
     finally:
         if embedded is not None:
             embedded.close()

@@ -22,7 +22,7 @@ from gateway.errors import error_response, to_api_error, upstream_error
 from gateway.flight import Attempt, Flight, FlightStream
 from gateway.intake import authenticate_key, decode, prepare, ratelimit_headers
 from gateway.plan import Plan, upstream_body
-from gateway.relay import DONE, StreamTimeout, relay
+from gateway.relay import DONE, StreamAborted, StreamTimeout, relay
 from workers.api import ApiError, EventStream, parse_summary
 
 log = logging.getLogger(__name__)
@@ -127,11 +127,19 @@ async def _stream_response(
 ) -> Response | EventStream:
     body = upstream_body(flight.req, flight.plan, gw.cache_salt(flight.plan.tenant_id))
     opening = asyncio.ensure_future(_open(gw, flight, attempt, body, stream=True))
+    aborting = asyncio.ensure_future(flight.aborted.wait())
     try:
-        done, _ = await asyncio.wait({opening}, timeout=gw.config.sse_heartbeat_s)
+        done, _ = await asyncio.wait(
+            {opening, aborting}, timeout=gw.config.sse_heartbeat_s, return_when="FIRST_COMPLETED"
+        )
     except asyncio.CancelledError:
         opening.cancel()
         raise
+    finally:
+        aborting.cancel()
+    if aborting in done and opening not in done:
+        opening.cancel()
+        raise flight.abort_error
     sse_headers = {**headers, "cache-control": "no-cache"}
     if not done:  # commit now: heartbeats while it waits, failures in-band
         events = _events_after(gw, flight, attempt, opening)
@@ -146,9 +154,17 @@ async def _stream_response(
 
 
 async def _events_after(gw: Gateway, flight: Flight, attempt: Attempt, opening: asyncio.Future):
+    aborting = asyncio.ensure_future(flight.aborted.wait())
     try:
         while not opening.done():
-            done, _ = await asyncio.wait({opening}, timeout=gw.config.sse_heartbeat_s)
+            done, _ = await asyncio.wait(
+                {opening, aborting},
+                timeout=gw.config.sse_heartbeat_s,
+                return_when="FIRST_COMPLETED",
+            )
+            if aborting in done:
+                yield _error_event(to_api_error(flight.abort_error, gw.rng))
+                return
             if not done:
                 yield b": queued\n\n"
         try:
@@ -164,6 +180,7 @@ async def _events_after(gw: Gateway, flight: Flight, attempt: Attempt, opening: 
             yield event
     finally:
         opening.cancel()
+        aborting.cancel()
 
 
 async def _relay_events(gw: Gateway, flight: Flight, attempt: Attempt, upstream: httpx.Response):
@@ -171,12 +188,14 @@ async def _relay_events(gw: Gateway, flight: Flight, attempt: Attempt, upstream:
     try:
         async for event in relay(
             upstream,
-            attempt.served,
+            attempt,
             plan.wants_usage,
             plan.deadline,
             gw.config.stream_idle_timeout_s,
         ):
             yield event
+    except StreamAborted:
+        yield _error_event(to_api_error(flight.abort_error, gw.rng))
     except (httpx.HTTPError, StreamTimeout) as exc:
         url = attempt.lease.worker.url if attempt.lease.worker else "?"
         log.warning("stream of %s from %s ended early: %r", plan.request_id, url, exc)
@@ -203,13 +222,18 @@ async def _json_response(
 ) -> Response:
     work = asyncio.ensure_future(_complete(gw, flight, attempt, headers))
     gone = asyncio.ensure_future(_disconnected(request))
+    aborting = asyncio.ensure_future(flight.aborted.wait())
     try:
-        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({work, gone, aborting}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
+        aborting.cancel()
         if not work.done():
             work.cancel()  # the client left: closing the upstream aborts the work there
     try:
+        if work not in done and aborting in done:
+            flight.finish()
+            return error_response(to_api_error(flight.abort_error, gw.rng), headers)
         if work not in done:
             # The client left while a worker held the request: it pays the prompt that
             # worker took in (the closed connection aborts the rest there).

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-from gateway.plan import Served
+from gateway.flight import Attempt
 from workers.api import parse_chunk
 
 DONE = b"data: [DONE]\n\n"
@@ -25,36 +25,54 @@ class StreamTimeout(Exception):
     """The worker sent nothing for `idle_s`, or the request's deadline passed mid-stream."""
 
 
-async def _next(it: AsyncIterator[bytes], deadline: float, idle_s: float) -> bytes | None:
+class StreamAborted(Exception):
+    """The gateway cut the stream (its flight was aborted: shutdown)."""
+
+
+async def _next(
+    it: AsyncIterator[bytes], attempt: Attempt, deadline: float, idle_s: float
+) -> bytes | None:
     """The upstream body's next raw piece (None at its end), awaited within the idle bound
-    and the deadline."""
+    and the deadline. The pending read is on `attempt.reading`, so an abort can cancel it."""
     wait_s = min(idle_s, deadline - time.monotonic())
     if wait_s <= 0:
         raise StreamTimeout("the request's deadline passed mid-stream")
+    read = asyncio.ensure_future(anext(it))
+    attempt.reading = read
     try:
-        return await asyncio.wait_for(anext(it), wait_s)
+        done, _ = await asyncio.wait({read}, timeout=wait_s)
+    finally:
+        attempt.reading = None
+        if not read.done():
+            read.cancel()
+    if not done:
+        raise StreamTimeout(f"the worker sent nothing for {wait_s:.1f} s")
+    if read.cancelled():
+        raise StreamAborted("the stream was cut by the gateway")
+    try:
+        return read.result()
     except StopAsyncIteration:
         return None
-    except TimeoutError:
-        raise StreamTimeout(f"the worker sent nothing for {wait_s:.1f} s") from None
 
 
 async def relay(
     upstream: httpx.Response,
-    served: Served,
+    attempt: Attempt,
     client_wants_usage: bool,
     deadline: float,
     idle_s: float,
 ) -> AsyncIterator[bytes]:
-    """Forward the upstream's SSE events, noting usage and progress in `served`.
+    """Forward the upstream's SSE events, noting usage and progress in `attempt.served`.
 
     Ends after `[DONE]` or an error event. Raises httpx errors when the worker dies
-    mid-stream, StreamTimeout when it goes silent or the deadline passes; the caller
+    mid-stream, StreamTimeout when it goes silent or the deadline passes, StreamAborted when
+    the gateway cuts it; the caller
     reports those in-band.
     """
+    served = attempt.served
     buffer = b""
     it = upstream.aiter_raw()
-    while (piece := await _next(it, deadline, idle_s)) is not None:
+    while (piece := await _next(it, attempt, deadline, idle_s)) is not None:
         buffer += piece
         if b"\n\n" not in buffer:
             continue

@@ -668,12 +668,6 @@ def test_sigterm_with_hanging_requests_exits_within_the_grace_and_frees_slots(sh
     assert shutdown.usage["tokens_today"] <= reserved
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gateway bug: at shutdown, requests cancelled by uvicorn's grace timeout get a "
-    "plain-text 500 (non-streaming) or a cut chunked body (streams), not an OpenAI-shaped "
-    "503 with Retry-After / an in-band error event and [DONE]",
-)
 def test_sigterm_answers_requests_cut_by_the_grace_in_the_openai_shape(shutdown):
     c = shutdown.completion
     assert c.status == 503 and isinstance(c.body, dict), (c.status, c.body)
@@ -682,13 +676,6 @@ def test_sigterm_answers_requests_cut_by_the_grace_in_the_openai_shape(shutdown)
         assert r.error is None and r.done and r.code is not None, (r.error, r.events)
 
 
-@pytest.mark.xfail(
-    strict=False,  # a race inside the dying process: it loses on most runs, not all
-    reason="gateway bug: Gateway.drain_background snapshots the background tasks before the "
-    "requests cancelled by the grace timeout have scheduled their reconciles; those are "
-    "never applied by the dying gateway and another one sweeps them, charging their full "
-    "reservation for requests no worker ever accepted",
-)
 def test_sigterm_settles_its_own_cancelled_requests_charging_nothing(shutdown):
     assert shutdown.swept == 0, f"{shutdown.swept:g} reservations left for another gateway"
     assert shutdown.usage["tokens_today"] == 0, shutdown.usage
