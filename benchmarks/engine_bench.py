@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from benchmarks.engine_structured import structured_checkpoint, structured_section
 from benchmarks.stats import LATENCY_COLUMNS, markdown_table, write_report
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,16 @@ def run_engine_bench(opts: BenchOptions) -> dict:
                 },
             )
         )
+    if "structured" in opts.scenarios:
+        structured_spec = {
+            "ckpt": str(structured_checkpoint(getattr(opts, "model_dir", None), opts.out_dir)),
+            "num_schemas": 8,
+            "batches": [1, 64],
+            "warm_steps": 3 if opts.quick else 4,
+            "steps": 4 if opts.quick else 12,
+            "rounds": 1 if opts.quick else 3,
+        }
+        jobs.append(("structured", structured_spec))
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for system, spec in tqdm(jobs, desc="bench engine", unit="run"):
@@ -244,6 +255,8 @@ def summarize(results: dict[str, dict], opts: BenchOptions) -> dict:
         parts += _prefix_section(ok["prefix"], data)
     if "chunked" in ok:
         parts += _chunked_section(ok["chunked"])
+    if "structured" in ok:
+        parts += structured_section(ok["structured"])
     errors = {k: v["error"] for k, v in results.items() if "error" in v}
     if errors:
         parts.append("\nFailed: " + json.dumps(errors))

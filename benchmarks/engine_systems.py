@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.engine_structured import run_structured
 from benchmarks.stats import latency_summary, percentile
 
 
@@ -329,6 +330,7 @@ SYSTEMS = {
     "decode": run_matmul_and_decode,
     "prefix": run_prefix,
     "chunked": run_chunked,
+    "structured": run_structured,
 }
 
 
