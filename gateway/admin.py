@@ -160,8 +160,13 @@ def admin_router(gw: Gateway) -> Router:
     @get("/fleet")
     async def fleet(request: Request) -> dict[str, Any]:
         _require_admin(gw, request)
+        extra = gw.fleet_status() if gw.fleet_status is not None else {}
         return {
-            name: {"waiting": pool.controller.num_waiting, "workers": pool.snapshot()}
+            name: {
+                "waiting": pool.controller.num_waiting,
+                "workers": pool.snapshot(),
+                **extra.get(name, {}),
+            }
             for name, pool in gw.pools.items()
         }
 

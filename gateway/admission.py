@@ -28,13 +28,18 @@ class QueueFull(Exception):
 
 
 class DeadlineExceeded(Exception):
-    """The request's deadline passed while it waited; it was never dispatched."""
+    """The request's deadline passed. `stage` says where: "queue" (it waited behind others
+    and was never dispatched: overload), "start" (it was already past when it arrived), or
+    "dispatch" (a worker had it and did not answer in time)."""
 
-    def __init__(self, request_id: str, deadline: float, waited_s: float) -> None:
-        super().__init__(f"request {request_id} waited {waited_s:.3f} s and missed its deadline")
+    def __init__(
+        self, request_id: str, deadline: float, waited_s: float, stage: str = "queue"
+    ) -> None:
+        super().__init__(f"request {request_id} missed its deadline ({stage}, {waited_s:.3f} s)")
         self.request_id = request_id
         self.deadline = deadline
         self.waited_s = waited_s
+        self.stage = stage
 
 
 @dataclass
@@ -270,7 +275,7 @@ class AdmissionController:
         if the caller gives up before waiting. Raises QueueFull or DeadlineExceeded."""
         now = self._clock()
         if ticket.deadline <= now:
-            raise DeadlineExceeded(ticket.request_id, ticket.deadline, 0.0)
+            raise DeadlineExceeded(ticket.request_id, ticket.deadline, 0.0, "start")
         if len(self._queue) == 0 and self._num_unclaimed == 0 and self._has_room():
             self._num_dispatched += 1
             return None

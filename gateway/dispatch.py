@@ -92,7 +92,7 @@ async def _try_once(
     pool = lease.pool
     remaining_s = lease.ticket.deadline - time.monotonic()
     if remaining_s <= 0:
-        raise DeadlineExceeded(lease.ticket.request_id, lease.ticket.deadline, 0.0)
+        raise DeadlineExceeded(lease.ticket.request_id, lease.ticket.deadline, 0.0, "dispatch")
     lost = pool.lost(view.url)
     sending = asyncio.ensure_future(client.post(view.url, path, body, stream=stream))
     watching = asyncio.ensure_future(lost.wait())
@@ -108,7 +108,9 @@ async def _try_once(
         _close_later(sending)
         if watching in done:
             raise Refused(f"{view.url} went {view.state} before answering")
-        raise DeadlineExceeded(lease.ticket.request_id, lease.ticket.deadline, remaining_s)
+        raise DeadlineExceeded(
+            lease.ticket.request_id, lease.ticket.deadline, remaining_s, "dispatch"
+        )
     try:
         r = sending.result()
     except WorkerUnavailable as exc:

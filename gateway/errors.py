@@ -61,13 +61,7 @@ def to_api_error(exc: Exception, rng: random.Random) -> ApiError:
             retry_after_s=exc.retry_after_s,
         )
     if isinstance(exc, DeadlineExceeded):
-        return ApiError(
-            503,
-            "the request's deadline passed while it waited in the queue",
-            type="server_error",
-            code="deadline_exceeded",
-            retry_after_s=jitter(1.0, rng),
-        )
+        return deadline_error(exc, client_set=False, rng=rng)
     if isinstance(exc, NoReplica | Refused):
         return ApiError(
             503,
@@ -89,6 +83,28 @@ def to_api_error(exc: Exception, rng: random.Random) -> ApiError:
         code = "request_too_large" if exc.status_code == 413 else None
         return ApiError(exc.status_code, str(exc.detail), type=kind, code=code)
     return ApiError(500, "internal error", type="server_error")
+
+
+def deadline_error(exc: DeadlineExceeded, client_set: bool, rng: random.Random) -> ApiError:
+    """A passed deadline. Waiting in the queue behind others is overload: 503 with a
+    jittered Retry-After. Otherwise the request was not servable in the time it had: the
+    client's own budget (`x-request-timeout`) is 408, the gateway's default one 504."""
+    if exc.stage == "queue":
+        return ApiError(
+            503,
+            f"the request's deadline passed after {exc.waited_s:.2f} s in the queue",
+            type="server_error",
+            code="deadline_exceeded",
+            retry_after_s=jitter(1.0, rng),
+        )
+    where = "before it could start" if exc.stage == "start" else "before the model answered"
+    if client_set:
+        return ApiError(
+            408, f"the request's x-request-timeout passed {where}", code="request_timeout"
+        )
+    return ApiError(
+        504, f"the request timed out {where}", type="server_error", code="request_timeout"
+    )
 
 
 def upstream_error(status: int, content: bytes) -> ApiError:

@@ -32,7 +32,16 @@ class NoReplica(Exception):
 class Lease:
     """One request's queue turn and worker slot in one pool."""
 
-    __slots__ = ("pool", "ticket", "affinity", "worker", "tried", "_future", "_state")
+    __slots__ = (
+        "pool",
+        "ticket",
+        "affinity",
+        "worker",
+        "tried",
+        "_future",
+        "_state",
+        "_granted_at",
+    )
 
     def __init__(self, pool: Pool, ticket: Ticket, affinity: bytes | None) -> None:
         self.pool = pool
@@ -42,6 +51,7 @@ class Lease:
         self.tried: set[str] = set()  # worker URLs this request was sent to
         self._future: asyncio.Future[None] | None = None
         self._state = "new"
+        self._granted_at = 0.0
 
     @property
     def granted(self) -> bool:
@@ -51,6 +61,7 @@ class Lease:
         """Join the pool's fair queue. Raises QueueFull or DeadlineExceeded at once, before
         any response has started, so the client gets the real status."""
         assert self._state == "new"
+        self.pool.record_arrival()
         self._future = self.pool.controller.enqueue(self.ticket)
         if self._future is None:
             self._grant()
@@ -79,6 +90,7 @@ class Lease:
         # Take a slot in the same step as the turn, so the queue sees the capacity taken
         # before it dispatches the next ticket. None: room vanished; `next_worker` retries.
         self._state = "granted"
+        self._granted_at = self.pool.clock()
         self.worker = self.pool.claim_slot(self.affinity, ())
 
     def next_worker(self) -> WorkerView:
@@ -114,6 +126,6 @@ class Lease:
                 self.pool.free_slot(self.worker)
                 self.worker = None
             if served:
-                self.pool.record_completion()
+                self.pool.record_completion(self.pool.clock() - self._granted_at)
             self.pool.controller.release()
         # "waiting": the cancelled wait already left the queue; "new"/"released": nothing.

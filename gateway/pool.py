@@ -27,26 +27,59 @@ class Pool:
     ) -> None:
         self.name = name
         self.client = client
-        self.views: dict[str, WorkerView] = {
-            u.rstrip("/"): WorkerView(
-                url=u.rstrip("/"),
+        self.max_inflight_per_worker = max_inflight_per_worker
+        self.views: dict[str, WorkerView] = {}
+        for u in urls:
+            self.add_member(u)
+        self.queue_config = queue_config
+        self.queue = FairQueue(queue_config, clock)
+        self.clock = clock
+        self._finished: deque[float] = deque(maxlen=512)  # when requests finished, for rates
+        self._arrivals: deque[float] = deque(maxlen=4096)  # when requests were offered
+        self._service: deque[tuple[float, float]] = deque(maxlen=512)  # (finished, held s)
+        self.controller = AdmissionController(self.queue, self.has_room, clock)
+        self._reported: dict[str, str] = {}
+        self._lost: dict[str, asyncio.Event] = {}
+
+    def add_member(self, url: str) -> None:
+        """A replica joins (a supervisor started it): `loading` until its /load says ready."""
+        url = url.rstrip("/")
+        if url not in self.views:
+            self.views[url] = WorkerView(
+                url=url,
                 state="loading",
                 num_running=0,
                 num_waiting=0,
                 kv_free_tokens=0,
                 kv_total_tokens=0,
                 inflight=0,
-                max_inflight=max_inflight_per_worker,
+                max_inflight=self.max_inflight_per_worker,
             )
-            for u in urls
-        }
-        self.queue_config = queue_config
-        self.queue = FairQueue(queue_config, clock)
-        self.clock = clock
-        self._finished: deque[float] = deque(maxlen=512)  # when requests finished, for rates
-        self.controller = AdmissionController(self.queue, self.has_room, clock)
-        self._reported: dict[str, str] = {}
-        self._lost: dict[str, asyncio.Event] = {}
+
+    def remove_member(self, url: str, lost: bool = False) -> None:
+        """A replica leaves the rotation. `lost`: it died; requests waiting on its answer
+        stop waiting (their leases still hold the view and give its slot back)."""
+        url = url.rstrip("/")
+        if lost:
+            self.mark_unreachable(url)
+        if self.views.pop(url, None) is not None:
+            log.info("pool %s: worker %s left", self.name, url)
+        self._reported.pop(url, None)
+        self._lost.pop(url, None)
+
+    def record_arrival(self) -> None:
+        """A request was offered to the pool (queued or refused): the arrival rate."""
+        self._arrivals.append(self.clock())
+
+    def rates(self, window_s: float = 10.0) -> tuple[float, float | None]:
+        """(arrivals per second over the last `window_s`, mean seconds a served request held
+        a worker slot). The mean is over the window's completions, else the last 32 (a
+        quiet pool keeps its service time); None until a request was served."""
+        now = self.clock()
+        arrivals = sum(1 for t in self._arrivals if now - t <= window_s)
+        held = [s for t, s in self._service if now - t <= window_s]
+        held = held or [s for _, s in list(self._service)[-32:]]
+        return arrivals / window_s, (sum(held) / len(held) if held else None)
 
     def has_room(self) -> bool:
         return any(has_room(v) for v in self.views.values())
@@ -67,9 +100,13 @@ class Pool:
     def free_slot(self, view: WorkerView) -> None:
         view.inflight = max(view.inflight - 1, 0)
 
-    def record_completion(self) -> None:
-        """A request was served: the completion rate behind `estimated_wait_s`."""
-        self._finished.append(self.clock())
+    def record_completion(self, held_s: float | None = None) -> None:
+        """A request was served (holding a slot `held_s`): the completion rate behind
+        `estimated_wait_s`, and the service time the autoscaler reads."""
+        now = self.clock()
+        self._finished.append(now)
+        if held_s is not None:
+            self._service.append((now, held_s))
 
     def lost(self, url: str) -> asyncio.Event:
         """Set while the worker at `url` is unreachable or stalled: requests waiting on it
@@ -124,6 +161,8 @@ class Pool:
         return (min(vocab) if vocab else None, min(ctx) if ctx else None)
 
     def _set_state(self, view: WorkerView, state: str) -> None:
+        if self.views.get(view.url) is not view:
+            return  # it left the pool while its /load was on the way
         if self._reported.get(view.url) != state:
             log.info("pool %s: worker %s is %s", self.name, view.url, state)
             self._reported[view.url] = state

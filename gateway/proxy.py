@@ -16,14 +16,15 @@ import msgspec
 from litestar import Request, Response
 
 from cascade.policy import should_escalate
+from gateway.admission import DeadlineExceeded
 from gateway.context import Gateway
 from gateway.dispatch import send_attempt
-from gateway.errors import error_response, to_api_error, upstream_error
+from gateway.errors import deadline_error, error_response, to_api_error, upstream_error
 from gateway.flight import Attempt, Flight, FlightStream
 from gateway.intake import authenticate_key, decode, prepare, ratelimit_headers
-from gateway.plan import Plan, upstream_body
+from gateway.plan import Plan, charge, upstream_body
 from gateway.relay import DONE, StreamAborted, StreamTimeout, relay
-from workers.api import ApiError, EventStream, parse_summary
+from workers.api import ApiError, EventStream, Usage, parse_summary
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ async def _handle(
         headers["x-switchyard-score"] = f"{plan.score:.4f}"
         headers["x-switchyard-threshold"] = f"{plan.threshold:.4f}"
     flight = Flight(gw, plan, req, reservation)
+    flight.client_deadline = request.headers.get("x-request-timeout") is not None
     try:
         attempt = flight.attempt(plan.pool)
         if plan.stream:
@@ -85,6 +87,9 @@ async def _handle(
     except asyncio.CancelledError:
         flight.finish()
         raise
+    except DeadlineExceeded as exc:
+        flight.finish()
+        return error_response(deadline_error(exc, flight.client_deadline, gw.rng), headers)
     except Exception as exc:
         flight.finish()
         return error_response(to_api_error(exc, gw.rng), headers)
@@ -195,19 +200,43 @@ async def _relay_events(gw: Gateway, flight: Flight, attempt: Attempt, upstream:
         ):
             yield event
     except StreamAborted:
-        yield _error_event(to_api_error(flight.abort_error, gw.rng))
+        yield _usage_event(flight, attempt) + _error_event(to_api_error(flight.abort_error, gw.rng))
     except (httpx.HTTPError, StreamTimeout) as exc:
         url = attempt.lease.worker.url if attempt.lease.worker else "?"
         log.warning("stream of %s from %s ended early: %r", plan.request_id, url, exc)
-        timeout = isinstance(exc, StreamTimeout)
-        yield _error_event(
-            ApiError(
-                504 if timeout else 502,
-                str(exc) if timeout else "the model server failed mid-stream",
-                type="server_error",
-                code="timeout" if timeout else "upstream_failed",
+        if isinstance(exc, StreamTimeout) and exc.deadline and flight.client_deadline:
+            err = ApiError(
+                408, "the request's x-request-timeout passed mid-stream", code="request_timeout"
             )
-        )
+        elif isinstance(exc, StreamTimeout):
+            err = ApiError(504, str(exc), type="server_error", code="timeout")
+        else:
+            err = ApiError(
+                502,
+                "the model server failed mid-stream",
+                type="server_error",
+                code="upstream_failed",
+            )
+        yield _usage_event(flight, attempt) + _error_event(err)
+
+
+def _usage_event(flight: Flight, attempt: Attempt) -> bytes:
+    """For a client that asked for usage, on a stream cut short: what it is charged."""
+    plan, served = flight.plan, attempt.served
+    if not plan.wants_usage or served.usage_completion_tokens is not None:
+        return b""
+    completion = charge(plan, served) - plan.prompt_tokens if served.accepted else 0
+    prompt = plan.prompt_tokens if served.accepted else 0
+    usage = Usage(prompt, completion, prompt + completion)
+    chunk = {
+        "id": plan.request_id,
+        "object": "chat.completion.chunk" if plan.chat else "text_completion",
+        "created": int(time.time()),
+        "model": plan.pool,
+        "choices": [],
+        "usage": usage,
+    }
+    return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
 
 
 def _error_event(err: ApiError) -> bytes:

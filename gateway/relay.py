@@ -22,7 +22,12 @@ DONE = b"data: [DONE]\n\n"
 
 
 class StreamTimeout(Exception):
-    """The worker sent nothing for `idle_s`, or the request's deadline passed mid-stream."""
+    """The worker sent nothing for `idle_s` (`deadline` False), or the request's deadline
+    passed mid-stream (`deadline` True)."""
+
+    def __init__(self, message: str, deadline: bool) -> None:
+        super().__init__(message)
+        self.deadline = deadline
 
 
 class StreamAborted(Exception):
@@ -34,9 +39,10 @@ async def _next(
 ) -> bytes | None:
     """The upstream body's next raw piece (None at its end), awaited within the idle bound
     and the deadline. The pending read is on `attempt.reading`, so an abort can cancel it."""
-    wait_s = min(idle_s, deadline - time.monotonic())
+    left_s = deadline - time.monotonic()
+    wait_s = min(idle_s, left_s)
     if wait_s <= 0:
-        raise StreamTimeout("the request's deadline passed mid-stream")
+        raise StreamTimeout("the request's deadline passed mid-stream", deadline=True)
     read = asyncio.ensure_future(anext(it))
     attempt.reading = read
     try:
@@ -46,7 +52,9 @@ async def _next(
         if not read.done():
             read.cancel()
     if not done:
-        raise StreamTimeout(f"the worker sent nothing for {wait_s:.1f} s")
+        if left_s <= idle_s:
+            raise StreamTimeout("the request's deadline passed mid-stream", deadline=True)
+        raise StreamTimeout(f"the worker sent nothing for {wait_s:.1f} s", deadline=False)
     if read.cancelled():
         raise StreamAborted("the stream was cut by the gateway")
     try:

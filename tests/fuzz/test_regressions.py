@@ -1,6 +1,7 @@
 """Bugs the fuzz found, one focused reproducer each, against the real stack of
-tests/fuzz/conftest.py. A known bug is a strict xfail: once fixed, the test passes, pytest
-reports XPASS as a failure, and the xfail and its entry in `harness.KNOWN_ISSUES` go."""
+tests/fuzz/conftest.py. An open bug is a strict xfail listed in `harness.KNOWN_ISSUES`;
+these are fixed: a passed client deadline is the client's 408, not overload, and a stream
+cut by it tells the client the usage it is charged."""
 
 import json
 import time
@@ -17,12 +18,6 @@ def _post(url: str, key: str, body: dict, timeout_header: str) -> httpx.Response
     return httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=20)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: a client deadline (x-request-timeout) that passes, on an idle gateway, "
-    "is answered 503 deadline_exceeded 'waited in the queue' with Retry-After, the answer "
-    "reserved for overload, also when the request was dispatched and running",
-)
 @pytest.mark.parametrize(
     ("body", "timeout_header"),
     [
@@ -35,14 +30,10 @@ def _post(url: str, key: str, body: dict, timeout_header: str) -> httpx.Response
 def test_a_passed_client_deadline_is_not_answered_as_overload(gateway, body, timeout_header):
     url, keys = gateway
     r = _post(url, keys["counted"], body, timeout_header)
-    assert r.status_code != 503 and "retry-after" not in r.headers, (r.status_code, r.text)
+    assert r.status_code == 408 and "retry-after" not in r.headers, (r.status_code, r.text)
+    assert r.json()["error"]["code"] == "request_timeout"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: a stream cut by the client's deadline is charged prompt + relayed "
-    "tokens, but the client that asked for include_usage gets only an error event, no usage",
-)
 def test_a_stream_cut_by_the_deadline_tells_the_client_what_it_is_charged(gateway):
     url, keys = gateway
     key = keys["uncounted"]  # its own counter: this test's charge only
