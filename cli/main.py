@@ -1,12 +1,14 @@
 """`switchyard` command line: subcommands parse arguments and build components."""
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
 from cli.cascade_cmd import add_cascade_parser
+from cli.load_cmd import add_load_parser
+from cli.logs import setup_logging
 from cli.models_cmd import add_models_parsers
+from cli.serve_cmd import add_serve_parser
 
 
 def _cmd_make_demo(args: argparse.Namespace) -> int:
@@ -90,6 +92,13 @@ def _cmd_worker(args: argparse.Namespace) -> int:
             f"error: {model_dir} is not a Hugging Face checkpoint (no config.json)", file=sys.stderr
         )
         return 2
+    from cli.serve.stack import StartupError, check_port_free
+
+    try:
+        check_port_free(args.host, args.port, "--port")
+    except StartupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return serve_worker(model_dir, engine_cfg, worker_cfg, args.host, args.port)
 
 
@@ -113,17 +122,45 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def _cmd_admin(args: argparse.Namespace) -> int:
-    import json
     import os
 
     import httpx
 
-    key = args.admin_key or os.environ.get("SWITCHYARD_ADMIN_KEY")
+    from cli.models_cmd import cache_dir
+    from cli.serve.state import local_admin_key, local_stack
+
+    stack = local_stack(cache_dir(None))
+    url = args.url or (stack["url"] if stack else "http://127.0.0.1:8000")
+    key = (
+        args.admin_key
+        or os.environ.get("SWITCHYARD_ADMIN_KEY")
+        or local_admin_key(cache_dir(None), url)
+    )
     if not key:
-        print("error: give --admin-key or set SWITCHYARD_ADMIN_KEY", file=sys.stderr)
+        print(
+            f"error: no admin key for {url}: give --admin-key or set SWITCHYARD_ADMIN_KEY "
+            "(`switchyard serve` stores one in its data_dir/admin-key)",
+            file=sys.stderr,
+        )
         return 2
+    try:
+        return _admin_request(args, url, key)
+    except httpx.TransportError as exc:
+        print(
+            f"error: cannot reach the gateway at {url} ({type(exc).__name__}); "
+            "is `switchyard serve` running? (--url to point elsewhere)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _admin_request(args: argparse.Namespace, url: str, key: str) -> int:
+    import json
+
+    import httpx
+
     headers = {"authorization": f"Bearer {key}"}
-    base = args.url.rstrip("/") + "/admin"
+    base = url.rstrip("/") + "/admin"
     if args.action == "create-tenant":
         limits = {
             k: getattr(args, k)
@@ -149,6 +186,13 @@ def _cmd_admin(args: argparse.Namespace) -> int:
         )
     elif args.action == "list-tenants":
         r = httpx.get(f"{base}/tenants", headers=headers)
+    elif args.action == "fleet":
+        r = httpx.get(f"{base}/fleet", headers=headers)
+        if r.status_code == 200 and not args.json:
+            from cli.fleet_view import render_fleet
+
+            print(render_fleet(r.json()))
+            return 0
     else:
         r = httpx.delete(f"{base}/keys/{args.key_id}", headers=headers)
     print(json.dumps(r.json(), indent=2))
@@ -201,6 +245,15 @@ def _cmd_bench_autoscale(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="switchyard", description="Multi-tenant LLM serving.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="default: info",
+    )
+    parser.add_argument(
+        "--log-format", default="text", choices=["text", "json"], help="default: text"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     models = sub.add_parser("models", help="checkpoint tools").add_subparsers(
@@ -254,8 +307,14 @@ def build_parser() -> argparse.ArgumentParser:
     gw.set_defaults(func=_cmd_gateway)
 
     admin = sub.add_parser("admin", help="tenants and keys, through the gateway's admin API")
-    admin.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway")
-    admin.add_argument("--admin-key", default=None, help="default: $SWITCHYARD_ADMIN_KEY")
+    admin.add_argument(
+        "--url", default=None, help="the gateway (default: the local `switchyard serve`; :8000)"
+    )
+    admin.add_argument(
+        "--admin-key",
+        default=None,
+        help="default: $SWITCHYARD_ADMIN_KEY, else the key the local `switchyard serve` stored",
+    )
     acts = admin.add_subparsers(dest="action", required=True)
     ct = acts.add_parser("create-tenant")
     ct.add_argument("tenant")
@@ -273,11 +332,15 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("tenant")
     ck.add_argument("--name")
     acts.add_parser("list-tenants")
+    fl = acts.add_parser("fleet", help="pools, replicas and their state, the autoscaler's decision")
+    fl.add_argument("--json", action="store_true", help="the raw GET /admin/fleet answer")
     rk = acts.add_parser("revoke-key")
     rk.add_argument("key_id")
     admin.set_defaults(func=_cmd_admin)
 
     add_cascade_parser(sub)
+    add_serve_parser(sub)
+    add_load_parser(sub)
 
     bench = sub.add_parser("bench", help="measured comparisons").add_subparsers(
         dest="target", required=True
@@ -316,14 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    # One line per HTTP request from client libraries is noise (and, in benchmarks, load).
-    for noisy in ("httpx", "httpcore"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    return args.func(args)
+    setup_logging("debug" if args.verbose else args.log_level, args.log_format)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ it is safe from a cancelled task and from a generator's `finally`.
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -44,6 +44,7 @@ class Flight:
         self.client_deadline = False  # the deadline is the client's (x-request-timeout)
         self.abort_error: Exception | None = None  # why the gateway cut this request short
         self.aborted = asyncio.Event()
+        self.on_finish: Callable[[], None] | None = None  # after settling (the access log)
         gw.flights.add(self)
 
     def attempt(self, pool_name: str) -> Attempt:
@@ -96,6 +97,8 @@ class Flight:
                 self._close(a.upstream)
             a.lease.release(served=a.served.accepted)
         self.gw.reconcile_later(self.reservation, self.charged_tokens)
+        if self.on_finish is not None:
+            self.on_finish()
 
     def _close(self, upstream: httpx.Response) -> None:
         if not upstream.is_closed:

@@ -163,8 +163,17 @@ class Pool:
     def _set_state(self, view: WorkerView, state: str) -> None:
         if self.views.get(view.url) is not view:
             return  # it left the pool while its /load was on the way
-        if self._reported.get(view.url) != state:
-            log.info("pool %s: worker %s is %s", self.name, view.url, state)
+        before = self._reported.get(view.url)
+        if before != state:
+            # A member that has not answered yet is starting, not lost: debug, not info.
+            quiet = before is None and state == "unreachable"
+            log.log(
+                logging.DEBUG if quiet else logging.INFO,
+                "pool %s: worker %s is %s",
+                self.name,
+                view.url,
+                state,
+            )
             self._reported[view.url] = state
         view.state = state
         lost = self.lost(view.url)

@@ -27,6 +27,7 @@ from gateway.relay import DONE, StreamAborted, StreamTimeout, relay
 from workers.api import ApiError, EventStream, Usage, parse_summary
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("gateway.access")
 
 
 async def handle(gw: Gateway, request: Request, chat: bool) -> Response | EventStream:
@@ -34,8 +35,9 @@ async def handle(gw: Gateway, request: Request, chat: bool) -> Response | EventS
     t0 = time.perf_counter()
     labels = ["-", "-"]
     status = 500
+    owner: dict = {}  # "tenant", "flight": what the access line reports
     try:
-        response = await _handle(gw, request, chat, labels)
+        response = await _handle(gw, request, chat, labels, owner)
         status = response.status_code
         return response
     except Exception as exc:
@@ -46,6 +48,41 @@ async def handle(gw: Gateway, request: Request, chat: bool) -> Response | EventS
             gw.metrics.requests.labels(labels[0], labels[1], str(status)).inc()
             if labels[0] != "-":
                 gw.metrics.latency.labels(labels[0]).observe(time.perf_counter() - t0)
+        flight = owner.get("flight")
+        line = (request.url.path, owner.get("tenant", "-"), labels, status, t0)
+        if flight is not None and not flight.finished:  # a stream: logged when it settles
+            flight.on_finish = lambda: _log_access(*line, flight.charged_tokens)
+        else:
+            _log_access(*line, flight.charged_tokens if flight is not None else 0)
+
+
+def _log_access(
+    path: str, tenant: str, labels: list[str], status: int, t0: float, tokens: int
+) -> None:
+    """One line per request: who, where to, how it ended; never prompt text or keys."""
+    if not access_log.isEnabledFor(logging.INFO):
+        return
+    latency_ms = round((time.perf_counter() - t0) * 1000)
+    fields = {
+        "path": path,
+        "tenant": tenant,
+        "model": labels[0],
+        "route": labels[1],
+        "status": status,
+        "tokens": tokens,
+        "latency_ms": latency_ms,
+    }
+    access_log.info(
+        "%s tenant=%s model=%s route=%s status=%d tokens=%d latency_ms=%d",
+        path,
+        tenant,
+        labels[0],
+        labels[1],
+        status,
+        tokens,
+        latency_ms,
+        extra={"fields": fields},
+    )
 
 
 async def read_body(request: Request, timeout_s: float) -> bytes:
@@ -59,9 +96,10 @@ async def read_body(request: Request, timeout_s: float) -> bytes:
 
 
 async def _handle(
-    gw: Gateway, request: Request, chat: bool, labels: list[str]
+    gw: Gateway, request: Request, chat: bool, labels: list[str], owner: dict
 ) -> Response | EventStream:
     key_id, tenant = await authenticate_key(gw, request)
+    owner["tenant"] = tenant.tenant_id
     req = decode(await read_body(request, gw.config.body_timeout_s), chat, gw.config)
     if gw.router is not None:
         await gw.router.refresh()
@@ -78,6 +116,7 @@ async def _handle(
         headers["x-switchyard-score"] = f"{plan.score:.4f}"
         headers["x-switchyard-threshold"] = f"{plan.threshold:.4f}"
     flight = Flight(gw, plan, req, reservation)
+    owner["flight"] = flight
     flight.client_deadline = request.headers.get("x-request-timeout") is not None
     try:
         attempt = flight.attempt(plan.pool)

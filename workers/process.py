@@ -64,7 +64,16 @@ def serve_worker(
     app, service = build_worker(model_dir, engine_config, config)
     server = uvicorn.Server(
         uvicorn.Config(
-            app, host=host, port=port, log_level="info", lifespan="on", timeout_graceful_shutdown=30
+            app,
+            host=host,
+            port=port,
+            log_level="info",
+            lifespan="on",
+            timeout_graceful_shutdown=30,
+            # The process's own logging (format, level); no line per request: the gateway
+            # polls /load several times a second.
+            log_config=None,
+            access_log=False,
         )
     )
 
@@ -79,9 +88,11 @@ def serve_worker(
 
     service.on_drained = exit_now
     service.on_engine_failure = exit_failed
-    server.run()
-    if service.engine is not None:
-        service.engine.shutdown()
+    try:
+        server.run()  # re-raises a SIGINT it caught as KeyboardInterrupt once it is done
+    finally:
+        if service.engine is not None:
+            service.engine.shutdown()
     if failed.is_set():
         log.critical("exiting with status 1: the engine failed")
         return 1

@@ -201,6 +201,7 @@ def create_worker_app(service: WorkerService, on_startup: list[Callable] | None 
         },
         on_startup=on_startup or [],
         request_max_body_size=service.config.limits.max_body_bytes,
+        logging_config=None,  # the process's own logging (`--log-level`, `--log-format`)
     )
 
 

@@ -1,0 +1,53 @@
+"""`switchyard admin fleet`: GET /admin/fleet as a readable table."""
+
+from typing import Any
+
+
+def render_fleet(doc: dict[str, Any]) -> str:
+    lines = []
+    for name, pool in doc.items():
+        bounds = ""
+        if pool.get("min_replicas") is not None:
+            bounds = f" (replicas {pool['min_replicas']}..{pool['max_replicas']})"
+        lines.append(f"pool {name}{bounds}: {pool.get('waiting', 0)} waiting in the gateway")
+        replicas = pool.get("replicas")
+        if replicas is None:  # a gateway without a supervisor: its static members
+            for w in pool.get("workers", []):
+                lines.append(
+                    f"  {w['url']:<28} {w['state']:<10} running {w['running']:>3} "
+                    f"waiting {w['waiting']:>3} in flight {w['inflight']:>3}"
+                )
+            continue
+        for r in replicas:
+            load = (
+                "-"
+                if r["running"] is None
+                else f"running {r['running']:>3} waiting {r['waiting']:>3}"
+            )
+            kv = ""
+            if r.get("kv_total_tokens"):
+                used = r["kv_total_tokens"] - r["kv_free_tokens"]
+                kv = f" KV {used}/{r['kv_total_tokens']}"
+            lines.append(
+                f"  {r['id']:<10} {r['state']:<9} {r['url'] or '(restarting)':<24} {load}{kv}"
+                + (f" restarts {r['restarts']}" if r.get("restarts") else "")
+            )
+        decision = pool.get("decision")
+        if decision:
+            lines.append(
+                f"  autoscaler: {decision['num_ordered']} -> {decision['desired_replicas']}: "
+                f"{decision['reason']}"
+            )
+        signals = pool.get("signals")
+        if signals:
+
+            def fmt(v: Any) -> str:
+                return "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)
+
+            lines.append(
+                f"  signals: queue {fmt(signals['queue_depth'])}, wait "
+                f"{fmt(signals['estimated_wait_s'])} s, "
+                f"arrivals {fmt(signals['arrivals_per_s'])}/s, "
+                f"service {fmt(signals['mean_service_s'])} s"
+            )
+    return "\n".join(lines)

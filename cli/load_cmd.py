@@ -1,0 +1,7 @@
+"""`switchyard load`: an open-loop load generator against the running stack."""
+
+import argparse
+
+
+def add_load_parser(sub: argparse._SubParsersAction) -> None:
+    pass

@@ -1,0 +1,1 @@
+"""`switchyard serve`: the whole local stack from one YAML."""

@@ -1,0 +1,358 @@
+"""`switchyard serve`: models, Redis, the gateway and the fleet supervisor in one process.
+
+One asyncio loop runs the gateway (uvicorn), the supervisor's loop and the start-up status.
+Signals are ours, not uvicorn's: SIGINT or SIGTERM stops the gateway (in-flight requests
+get `shutdown_grace_s` to finish), then the workers, then the embedded Redis, and the
+process exits 0. A second signal kills the workers outright.
+"""
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import uvicorn
+import yaml
+
+from cli.config_files import fill
+from cli.logs import setup_logging
+from cli.models_cmd import cache_dir
+from cli.serve import console, state
+from cli.serve.config import DEMO_MODELS, ServeConfig, autoscaler_config
+from cli.serve.fleet import FleetLoop, PoolMembership
+from gateway.app import create_gateway_app
+from gateway.config import GatewayConfig
+from gateway.context import Gateway
+from gateway.embedded_redis import EmbeddedRedis
+from gateway.http_server import server_config
+from gateway.process import build_gateway
+from quota.models import TenantLimits
+from workers.api import WorkerClient
+from workers.fleet.autoscaler import Autoscaler
+from workers.supervisor import LocalSupervisor, PoolLaunch, SupervisorConfig
+
+log = logging.getLogger(__name__)
+
+
+class StartupError(Exception):
+    """A one-line reason the stack cannot start (a taken port, a missing model)."""
+
+
+@dataclass
+class RunOptions:
+    config_path: Path | None
+    log_level: str = "info"
+    log_format: str = "text"
+
+
+# -- before the loop: ports, models, keys ------------------------------------------------
+
+
+def check_port_free(host: str, port: int, option: str) -> None:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            raise StartupError(
+                f"port {port} on {host} is in use; choose another with {option}"
+            ) from None
+
+
+def ensure_models(cfg: ServeConfig, data_dir: Path) -> dict[str, Path]:
+    """Each pool's checkpoint directory; fetches or makes what is missing (progress bars)."""
+    from workers.errors import ModelFetchError
+
+    dirs: dict[str, Path] = {}
+    for name, pool in cfg.pools.items():
+        if pool.model_dir:
+            path = cfg.path(pool.model_dir)
+            if not (path / "config.json").is_file():
+                raise StartupError(
+                    f"pools.{name}.model_dir: {path} is not a checkpoint (no config.json)"
+                )
+        elif pool.model in DEMO_MODELS:
+            path = data_dir / "models" / pool.model.removeprefix("demo-")
+            if not (path / "config.json").is_file():
+                from workers.checkpoints import make_demo_checkpoints
+
+                console.note(f"making the demo checkpoints under {path.parent}")
+                make_demo_checkpoints(path.parent, show_progress=True)
+        else:
+            from workers.fetch import fetch_model
+            from workers.registry import find_model
+
+            try:
+                spec = find_model(pool.model)
+                models = cfg.path(cfg.models_dir) if cfg.models_dir else None
+                fetched = fetch_model(spec, cache_dir(None), models_dir=models, show_progress=True)
+            except ModelFetchError as exc:
+                raise StartupError(f"pools.{name}.model: {exc}") from None
+            path = fetched.path
+        dirs[name] = path
+    return dirs
+
+
+def worker_launches(
+    cfg: ServeConfig, model_dirs: dict[str, Path], run_dir: Path, opts: RunOptions
+) -> dict[str, PoolLaunch]:
+    """How each pool's workers start: `python -m cli worker` with a per-pool YAML."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    warm = max(sum(p.min_replicas for p in cfg.pools.values()), 1)
+    launches = {}
+    for name, pool in cfg.pools.items():
+        engine = dict(pool.engine)
+        # Workers share the machine: split the CPUs over the warm replicas.
+        engine.setdefault("threads", max((cpus or 1) // warm, 1))
+        worker_yaml = run_dir / f"worker-{name}.yaml"
+        worker_yaml.write_text(yaml.safe_dump({"engine": engine, "worker": pool.worker}))
+        control_key = os.urandom(16).hex()
+        argv_head = [sys.executable, "-m", "cli", "--log-level", opts.log_level]
+        argv_head += ["--log-format", opts.log_format, "worker"]
+
+        def argv(port: int, _name=name, _yaml=worker_yaml, _head=argv_head) -> list[str]:
+            return [
+                *_head,
+                "--model",
+                str(model_dirs[_name]),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--config",
+                str(_yaml),
+                "--served-model-name",
+                _name,
+            ]
+
+        launches[name] = PoolLaunch(
+            argv, env={"SWITCHYARD_WORKER_CONTROL_KEY": control_key}, control_key=control_key
+        )
+    return launches
+
+
+def gateway_config(
+    cfg: ServeConfig, model_dirs: dict[str, Path], data_dir: Path, admin_key: str
+) -> GatewayConfig:
+    gc: GatewayConfig = fill(GatewayConfig, dict(cfg.gateway.options), "gateway.options")
+    gc.pools = {name: [] for name in cfg.pools}
+    gc.tokenizers = {name: str(path) for name, path in model_dirs.items()}
+    gc.redis_url = cfg.redis_url
+    gc.data_dir = str(data_dir)
+    gc.admin_key = admin_key
+    c = cfg.cascade
+    if c.enabled:
+        gc.cascade_small_pool, gc.cascade_large_pool = c.small_pool, c.large_pool
+        gc.default_pool = c.small_pool
+        gc.classifier_path = str(cfg.path(c.classifier_path)) if c.classifier_path else None
+    else:
+        gc.default_pool = next(iter(cfg.pools))
+    return gc
+
+
+# -- the loop -----------------------------------------------------------------------------
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handling (the stack owns SIGINT/SIGTERM and does not
+    want them raised again after shutdown), cutting what is left after the grace."""
+
+    def __init__(self, config: uvicorn.Config, gw: Gateway, grace_s: float) -> None:
+        super().__init__(config)
+        self.gw = gw
+        self.grace_s = grace_s
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    async def shutdown(self, sockets=None) -> None:  # noqa: ANN001
+        abort = getattr(self.gw, "abort_flights", None)
+        timer = None
+        if abort is not None:
+            timer = asyncio.get_running_loop().call_later(self.grace_s, abort)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+
+class Stack:
+    def __init__(self, cfg: ServeConfig, opts: RunOptions) -> None:
+        self.cfg = cfg
+        self.opts = opts
+        self.data_dir = cfg.path(cfg.data_dir)
+        self.stop = asyncio.Event()
+        self.signals = 0
+        self.supervisor: LocalSupervisor | None = None
+        self.server: uvicorn.Server | None = None
+
+    def on_signal(self, signum: int) -> None:
+        self.signals += 1
+        if self.signals == 1:
+            console.note(f"{signal.Signals(signum).name}: stopping (again to stop at once)")
+            self.stop.set()
+        elif self.supervisor is not None:
+            self.supervisor.kill_all_now()
+            if self.server is not None:
+                self.server.force_exit = True
+
+    async def run(self, model_dirs: dict[str, Path], redis_url: str, admin_key: str) -> int:
+        cfg = self.cfg
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.on_signal, sig)
+        gcfg = gateway_config(cfg, model_dirs, self.data_dir, admin_key)
+        gw = build_gateway(gcfg, redis_url)
+        http = httpx.AsyncClient(timeout=httpx.Timeout(5.0, connect=1.0))
+        supervisor = LocalSupervisor(
+            worker_launches(cfg, model_dirs, self.data_dir / "run", self.opts),
+            WorkerClient(http),
+            PoolMembership(gw.pools),
+            SupervisorConfig(
+                log_dir=self.data_dir / "logs",
+                restart_base_s=cfg.fleet.restart_base_s,
+                restart_max_s=cfg.fleet.restart_max_s,
+                stall_restart_s=cfg.fleet.stall_restart_s,
+                start_timeout_s=cfg.fleet.start_timeout_s,
+                stop_grace_s=cfg.fleet.stop_grace_s,
+            ),
+        )
+        self.supervisor = supervisor
+        autoscaler = None
+        if cfg.fleet.autoscale:
+            autoscaler = Autoscaler({n: autoscaler_config(p) for n, p in cfg.pools.items()})
+        fleet = FleetLoop(gw.pools, supervisor, autoscaler, cfg.fleet.interval_s)
+        gw.fleet_status = fleet.status
+        host, port = cfg.gateway.host, cfg.gateway.port
+        server_cfg = server_config(
+            create_gateway_app(gw),
+            host,
+            port,
+            header_timeout_s=gcfg.header_timeout_s,
+            keep_alive_timeout_s=gcfg.keep_alive_timeout_s,
+            shutdown_grace_s=gcfg.shutdown_grace_s,
+        )
+        server_cfg.access_log = False  # the gateway logs one line per request itself
+        console.route_uvicorn_logs()
+        self.server = _Server(server_cfg, gw, gcfg.shutdown_grace_s)
+        url = f"http://{host}:{port}"
+        serving = asyncio.ensure_future(self.server.serve())
+        fleet_task: asyncio.Task | None = None
+        try:
+            while not self.server.started:
+                if serving.done():
+                    serving.result()
+                    raise StartupError(f"the gateway did not start on {host}:{port}")
+                await asyncio.sleep(0.02)
+            # Litestar set up its own logging at start-up: ours again (format, level).
+            setup_logging(self.opts.log_level, self.opts.log_format)
+            console.route_uvicorn_logs()
+            for name, pool in cfg.pools.items():
+                for _ in range(pool.min_replicas):
+                    supervisor.start_replica(name)
+            fleet_task = asyncio.ensure_future(fleet.run())
+            if not await self._wait_ready(gw, supervisor, url):
+                return 0
+            await self._first_start(gw, url, admin_key)
+            await self.stop.wait()
+            return 0
+        finally:
+            self.stop.set()
+            console.note("stopping the gateway")
+            self.server.should_exit = True
+            with contextlib.suppress(BaseException):
+                await serving
+            if fleet_task is not None:
+                fleet_task.cancel()
+                with contextlib.suppress(BaseException):
+                    await fleet_task
+            console.note("stopping the workers")
+            await supervisor.stop()
+            await http.aclose()
+
+    async def _wait_ready(self, gw: Gateway, supervisor: LocalSupervisor, url: str) -> bool:
+        """Until every pool has its warm replicas ready and the gateway routes to them,
+        with a live status line. False: stopped first."""
+        t0 = time.monotonic()
+        with console.Status() as status:
+            while not self.stop.is_set():
+                lines, ready = [], True
+                for name, pool in self.cfg.pools.items():
+                    reps = supervisor.pool_replicas(name)
+                    num_ready = sum(r.state == "ready" for r in reps)
+                    routed = any(v.state == "ready" for v in gw.pools[name].views.values())
+                    ready &= num_ready >= pool.min_replicas and routed
+                    restarts = sum(r.num_restarts for r in reps)
+                    extra = (
+                        f", {restarts} restarts (see {self.data_dir / 'logs'})" if restarts else ""
+                    )
+                    lines.append(f"{name} {num_ready}/{pool.min_replicas} ready{extra}")
+                elapsed = time.monotonic() - t0
+                status.update(f"gateway {url} up · " + " · ".join(lines) + f" · {elapsed:.0f} s")
+                if ready:
+                    return True
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), 0.25)
+        return False
+
+    async def _first_start(self, gw: Gateway, url: str, admin_key: str) -> None:
+        cfg = self.cfg
+        if gw.router is not None and cfg.cascade.target_fraction is not None:
+            current = await gw.router.refresh(force=True)
+            if current.version == 0:
+                await gw.router.update(
+                    {"default_target_fraction": cfg.cascade.target_fraction},
+                    set(),
+                    "switchyard serve (first start)",
+                )
+        tenant = cfg.demo.tenant
+        saved = state.read_state(self.data_dir)
+        key = None
+        if await gw.store.get_tenant(tenant) is None:
+            limits = TenantLimits(tokens_per_minute=cfg.demo.tokens_per_minute)
+            await gw.store.create_tenant(tenant, tenant, limits, [], True)
+            issued = await gw.store.create_key(tenant, "demo")
+            key = issued.plaintext
+            saved = {"tenant": tenant, "key_id": issued.record.key_id, "shown_at": time.time()}
+            state.write_state(self.data_dir, saved)
+        console.banner(url, key, saved, tenant, self.cfg, self.data_dir)
+
+
+def run_serve(cfg: ServeConfig, opts: RunOptions) -> int:
+    """The whole stack, in the foreground, until SIGINT/SIGTERM. The exit status."""
+    data_dir = cfg.path(cfg.data_dir)
+    where = f"--port or gateway.port in {opts.config_path}" if opts.config_path else "--port"
+    check_port_free(cfg.gateway.host, cfg.gateway.port, where)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    model_dirs = ensure_models(cfg, data_dir)
+    key = cfg.gateway.admin_key or os.environ.get("SWITCHYARD_ADMIN_KEY")
+    key_file = None
+    if not key:
+        key, key_file, created = state.admin_key(data_dir)
+        if created:
+            console.note(f"generated an admin key in {key_file} (mode 0600)")
+    url = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
+    state.write_pointer(cache_dir(None), url, data_dir, key_file)
+    embedded = None
+    try:
+        redis_url = cfg.redis_url
+        if redis_url is None:
+            embedded = EmbeddedRedis(data_dir / "redis")
+            redis_url = embedded.url
+        stack = Stack(cfg, opts)
+        return asyncio.run(stack.run(model_dirs, redis_url, key))
+    finally:
+        if embedded is not None:
+            console.note("stopping Redis")
+            embedded.close()
