@@ -216,3 +216,29 @@ def test_outputs_validate_under_forced_preemption(demo_dir):
         replayed = type(r.guide)(r.guide.pristine, r.guide.compiler)
         replayed.replay(r.output_token_ids)
         assert replayed.num_tokens == len(r.output_token_ids)
+
+
+def test_real_model_outputs_validate(real_model_dir):
+    """The real checkpoint (SmolLM2-135M-Instruct, a 49k vocabulary) under the same schemas."""
+    engine = LLMEngine.from_pretrained(
+        real_model_dir,
+        EngineConfig(
+            num_kv_blocks=256, block_size=16, scheduler=SchedulerConfig(max_num_seqs=8)
+        ),
+    )
+    names = ["nested", "arrays_enums", "numbers", "any_of"]
+    reqs = [
+        engine.add_request(
+            prompt="Reply with a JSON object describing a person.\n",
+            params=SamplingParams(max_tokens=MAX_TOKENS, temperature=t, seed=i),
+            grammar=GrammarSpec.from_schema(SCHEMAS[name]),
+        )
+        for i, (name, t) in enumerate((n, t) for n in names for t in (0.0, 1.0))
+    ]
+    texts = {r.request_id: "" for r in reqs}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            texts[out.request_id] += out.new_text
+    for i, r in enumerate(reqs):
+        assert r.finish_reason.value == "stop", texts[r.request_id]
+        _check(texts[r.request_id], SCHEMAS[names[i // 2]])
