@@ -29,7 +29,13 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
     except ModelFetchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    how = "cache hit" if got.cache_hit else "downloaded and converted"
+    how = (
+        "cache hit"
+        if got.cache_hit
+        else "copied from the cache"
+        if got.copied
+        else "downloaded and converted"
+    )
     print(f"{spec.name} ({args.dtype}): {how} in {got.seconds:.2f}s", file=sys.stderr)
     print(got.path)
     return 0

@@ -46,8 +46,9 @@ class FetchedModel:
     """Where a model landed and whether this call had to build it."""
 
     path: Path
-    cache_hit: bool
+    cache_hit: bool  # already there: nothing was done
     seconds: float
+    copied: bool = False  # copied from the cache's conversion, not converted again
 
 
 def model_dir(models_dir: Path, spec: ModelSpec, dtype: str) -> Path:
@@ -136,7 +137,7 @@ def fetch_model(
         shutil.rmtree(work, ignore_errors=True)
     seconds = time.perf_counter() - t0
     log.info("fetched %s (%s) into %s in %.1fs", spec.name, dtype, final, seconds)
-    return FetchedModel(final, False, seconds)
+    return FetchedModel(final, False, seconds, copied=reuse)
 
 
 def _build(

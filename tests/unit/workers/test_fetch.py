@@ -112,6 +112,7 @@ def test_another_output_dir_copies_the_cached_conversion(tmp_path, index):
         show_progress=False,
     )  # fmt: skip
     assert got.path == tmp_path / "models" / "fake" and (got.path / MANIFEST).is_file()
+    assert got.copied and not got.cache_hit
     assert convert.calls == 1
     assert leftovers(tmp_path) == []
 
