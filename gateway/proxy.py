@@ -38,7 +38,7 @@ async def handle(gw: Gateway, request: Request, chat: bool) -> Response | EventS
     owner: dict = {}  # "tenant", "flight": what the access line reports
     try:
         response = await _handle(gw, request, chat, labels, owner)
-        status = response.status_code
+        status = response.status_code or 200  # a Stream's status is set when it is sent
         return response
     except Exception as exc:
         status = to_api_error(exc, gw.rng).status
@@ -105,6 +105,8 @@ async def _handle(
         await gw.router.refresh()
     plan = prepare(gw, tenant, key_id, req, chat, request.headers.get("x-request-timeout"))
     labels[:] = [plan.pool, plan.route]
+    if gw.learner is not None:
+        gw.learner.on_plan(gw, plan, req)
     reservation, state = await gw.limiter.reserve(tenant, plan.request_id, plan.reserve_tokens)
     headers = {
         "x-request-id": plan.request_id,
@@ -336,6 +338,8 @@ async def _complete(
         attempt.served.usage_completion_tokens = summary.usage.completion_tokens
     if escalate:
         content = await _maybe_escalate(gw, flight, content, headers)
+    elif gw.learner is not None:
+        gw.learner.on_answer(gw, plan, flight.req, content)
     return Response(
         content=content, status_code=200, headers=headers, media_type="application/json"
     )
@@ -370,12 +374,16 @@ async def _maybe_escalate(gw: Gateway, flight: Flight, content: bytes, headers: 
                 router.metrics.escalations.labels("true" if changed else "false").inc()
                 headers["x-switchyard-model"] = large
                 headers["x-switchyard-route"] = "escalated"
+                if gw.learner is not None:
+                    gw.learner.on_escalation(gw, plan, flight.req, small, answer)
             else:
                 log.warning("escalation of %s refused (%d)", plan.request_id, upstream.status_code)
         except Exception as exc:
             log.warning(
                 "escalation of %s failed, keeping the small answer: %r", plan.request_id, exc
             )
+    elif gw.learner is not None:
+        gw.learner.on_answer(gw, plan, flight.req, content)
     if not plan.client_logprobs:
         for choice in answer.get("choices", []):
             choice["logprobs"] = None

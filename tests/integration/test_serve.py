@@ -249,6 +249,9 @@ def test_a_burst_scales_the_pool_up_and_quiet_drains_it_back_without_failing_a_r
                 t.join(35)
         assert results and set(results) == {"ok"}, [r for r in results if r != "ok"][:5]
         assert "draining small-" in stack.err
+        # One access line per request, streams included (logged when they settle).
+        assert re.search(r"tenant=demo model=small route=\w+ status=200 tokens=\d+", stack.err)
+        assert "Logging error" not in stack.err
 
 
 def test_a_killed_worker_is_restarted_and_its_streams_end_in_band(
