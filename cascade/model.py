@@ -103,8 +103,9 @@ class LengthPriorLogisticRegression(ClassifierMixin, BaseEstimator):
         self.prior_scale = prior_scale
         self.max_iter = max_iter
 
-    def fit(self, X: Any, y: Any) -> "LengthPriorLogisticRegression":
-        self.lr_ = LogisticRegression(C=self.C, max_iter=self.max_iter).fit(X, y)
+    def fit(self, X: Any, y: Any, sample_weight: Any = None) -> "LengthPriorLogisticRegression":
+        lr = LogisticRegression(C=self.C, max_iter=self.max_iter)
+        self.lr_ = lr.fit(X, y, sample_weight=sample_weight)
         self.classes_ = self.lr_.classes_
         spread = float(np.std(self.lr_.decision_function(X)))
         self.spread_ = spread if spread > 0 else 1.0
@@ -236,7 +237,15 @@ def fit(
 def export_params(model: FittedModel) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """The fitted model as JSON-able parameters plus named arrays (see cascade.artifact)."""
     cal = model.estimator.calibrated_classifiers_[0]
-    pipe: Pipeline = cal.estimator
+    calibrator = cal.calibrators[0]
+    return export_pipeline(cal.estimator, float(calibrator.a_), float(calibrator.b_))
+
+
+def export_pipeline(
+    pipe: Pipeline, cal_a: float, cal_b: float
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """A fitted `build_pipeline` with its sigmoid calibration `p = 1 / (1 + exp(a d + b))`
+    as JSON-able parameters plus named arrays."""
     union: FeatureUnion = pipe.named_steps["features"]
     dense_weight = union.transformer_weights["dense"]
     scaler: StandardScaler = union.transformer_list[0][1].named_steps["scale"]
@@ -247,7 +256,6 @@ def export_params(model: FittedModel) -> tuple[dict[str, Any], dict[str, np.ndar
     terms = [""] * len(tfidf.vocabulary_)
     for term, i in tfidf.vocabulary_.items():
         terms[i] = term
-    calibrator = cal.calibrators[0]
     params = {
         "dense_features": list(DENSE_FEATURE_NAMES),
         "dense_mean": scaler.mean_.tolist(),
@@ -260,7 +268,7 @@ def export_params(model: FittedModel) -> tuple[dict[str, Any], dict[str, np.ndar
         "text": {"analyzer": "cascade.features.text_tokens", "sublinear_tf": True, "norm": "l2"},
         "vocabulary": terms,
         # p = 1 / (1 + exp(a * decision + b)), sklearn's sigmoid calibration
-        "calibration": {"a": float(calibrator.a_), "b": float(calibrator.b_)},
+        "calibration": {"a": cal_a, "b": cal_b},
     }
     arrays = {
         "text_idf": np.asarray(tfidf.idf_, dtype=np.float64),

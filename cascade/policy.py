@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 _ABOVE_ANY_SCORE = math.nextafter(1.0, 2.0)  # a threshold no score in [0, 1] reaches
+DEFAULT_TARGET_FRACTION = 0.3  # share of reference traffic `auto` sends large by default
 
 
 class InvalidRouting(Exception):
@@ -35,22 +36,56 @@ class EscalationSettings:
     min_token_logprob: float = -6.0
 
 
+JUDGE_NAMES = ("exact", "final_answer", "confidence", "http")
+
+
+@dataclass
+class LearningSettings:
+    """How a tenant's traffic labels its router (per tenant, "*" the default).
+
+    `shadow_fraction` of its non-streaming `auto` requests are also run on the other pool,
+    off the response path and not charged to it; `judge` decides whether the small answer
+    was good enough ("exact", "final_answer", "confidence" or "http" with `judge_url`).
+    `feedback`: remember its `auto` requests for `feedback_ttl_s` so `POST /v1/feedback`
+    can label them. `keep_prompts`: keep the prompt text of labelled requests for
+    `prompt_retention_s` (without it labels hold features only and cannot train a text
+    classifier). `max_labels` bounds its label stream.
+    """
+
+    shadow_fraction: float = 0.0
+    judge: str = "final_answer"
+    judge_url: str | None = None
+    judge_min_mean_logprob: float = -1.0  # the confidence judge's bounds
+    judge_min_token_logprob: float = -6.0
+    feedback: bool = False
+    feedback_ttl_s: float = 86_400.0
+    keep_prompts: bool = False
+    prompt_retention_s: float = 30 * 86_400.0
+    max_labels: int = 100_000
+
+
 @dataclass
 class RoutingSettings:
     """Cascade thresholds: a request goes large when its score >= its threshold.
 
     A target fraction (0..1 of reference traffic sent large) overrides the threshold at
-    the same level; a tenant's own setting overrides the defaults. `escalation` is per
-    tenant, with key "*" as the default. `version` increases with every change.
+    the same level; a tenant's own setting overrides the defaults. Out of the box 30 % of
+    reference traffic goes large (calibrated scores rarely reach 0.5); setting
+    `default_threshold` without `default_target_fraction` uses the threshold instead.
+    `escalation` and `learning` are per tenant, with key "*" as the default.
+    `shadow_tokens_per_minute` is the operator's budget for shadow runs, over all tenants
+    and gateway replicas (0: none). `version` increases with every change.
     """
 
     default_threshold: float = 0.5
     tenant_thresholds: dict[str, float] = field(default_factory=dict)
     key_thresholds: dict[str, float] = field(default_factory=dict)  # by API key id
-    default_target_fraction: float | None = None
+    default_target_fraction: float | None = DEFAULT_TARGET_FRACTION
     tenant_target_fractions: dict[str, float] = field(default_factory=dict)
     overflow_max_wait_s: float = 5.0
     escalation: dict[str, EscalationSettings] = field(default_factory=dict)
+    learning: dict[str, LearningSettings] = field(default_factory=dict)
+    shadow_tokens_per_minute: int = 0
     version: int = 0
 
 
@@ -95,6 +130,47 @@ def _escalation(raw: Any, param: str) -> EscalationSettings:
     return out
 
 
+_LEARNING_NUMBERS = {
+    "shadow_fraction": (0.0, 1.0),
+    "judge_min_mean_logprob": (-math.inf, 0.0),
+    "judge_min_token_logprob": (-math.inf, 0.0),
+    "feedback_ttl_s": (1.0, 365 * 86_400.0),
+    "prompt_retention_s": (1.0, 3650 * 86_400.0),
+}
+
+
+def _learning(raw: Any, param: str) -> LearningSettings:
+    if not isinstance(raw, dict):
+        raise InvalidRouting(f"{param} must be an object", param)
+    unknown = set(raw) - set(LearningSettings.__dataclass_fields__)
+    if unknown:
+        name = sorted(unknown)[0]
+        raise InvalidRouting(f"unknown field {name!r}", f"{param}.{name}")
+    out = LearningSettings()
+    for name, (lo, hi) in _LEARNING_NUMBERS.items():
+        if name in raw:
+            setattr(out, name, _number(raw[name], f"{param}.{name}", lo, hi))
+    for name in ("feedback", "keep_prompts"):
+        if name in raw:
+            if not isinstance(raw[name], bool):
+                raise InvalidRouting(f"{param}.{name} must be true or false", f"{param}.{name}")
+            setattr(out, name, raw[name])
+    if "max_labels" in raw:
+        out.max_labels = int(_number(raw["max_labels"], f"{param}.max_labels", 1, 10_000_000))
+    if "judge" in raw:
+        if raw["judge"] not in JUDGE_NAMES:
+            raise InvalidRouting(f"{param}.judge must be one of {JUDGE_NAMES}", f"{param}.judge")
+        out.judge = raw["judge"]
+    if raw.get("judge_url") is not None:
+        url = raw["judge_url"]
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise InvalidRouting(f"{param}.judge_url must be an http(s) URL", f"{param}.judge_url")
+        out.judge_url = url
+    if out.judge == "http" and out.judge_url is None:
+        raise InvalidRouting(f"{param}: the http judge needs judge_url", f"{param}.judge_url")
+    return out
+
+
 def settings_from_dict(raw: dict, known_tenants: set[str] | None = None) -> RoutingSettings:
     """Validate and build settings; missing fields take defaults.
 
@@ -111,6 +187,10 @@ def settings_from_dict(raw: dict, known_tenants: set[str] | None = None) -> Rout
     s = RoutingSettings()
     if "default_threshold" in raw:
         s.default_threshold = _number(raw["default_threshold"], "default_threshold", 0.0, 1.0)
+        if "default_target_fraction" not in raw:  # an explicit threshold is meant to apply
+            s.default_target_fraction = None
+    if "default_target_fraction" in raw and raw["default_target_fraction"] is None:
+        s.default_target_fraction = None
     if raw.get("default_target_fraction") is not None:
         s.default_target_fraction = _number(
             raw["default_target_fraction"], "default_target_fraction", 0.0, 1.0
@@ -135,6 +215,13 @@ def settings_from_dict(raw: dict, known_tenants: set[str] | None = None) -> Rout
     if "escalation" in raw:
         table = _tenant_map(raw["escalation"], "escalation", known_tenants, allow_default=True)
         s.escalation = {t: _escalation(v, f"escalation.{t}") for t, v in table.items()}
+    if "learning" in raw:
+        table = _tenant_map(raw["learning"], "learning", known_tenants, allow_default=True)
+        s.learning = {t: _learning(v, f"learning.{t}") for t, v in table.items()}
+    if "shadow_tokens_per_minute" in raw:
+        s.shadow_tokens_per_minute = int(
+            _number(raw["shadow_tokens_per_minute"], "shadow_tokens_per_minute", 0, 10**12)
+        )
     if "version" in raw:
         v = raw["version"]
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -182,7 +269,8 @@ def effective_threshold(
     """The threshold for one request.
 
     Precedence: request > API key > tenant (target fraction, else threshold) >
-    default (target fraction, else threshold). Fractions need `reference_scores`.
+    default (target fraction, else threshold). Fractions need `reference_scores`;
+    without them the default target fraction gives way to the default threshold.
     """
     if request_threshold is not None:
         return request_threshold
@@ -192,7 +280,7 @@ def effective_threshold(
         return threshold_for_fraction(reference_scores, s.tenant_target_fractions[tenant_id])
     if tenant_id in s.tenant_thresholds:
         return s.tenant_thresholds[tenant_id]
-    if s.default_target_fraction is not None:
+    if s.default_target_fraction is not None and reference_scores:
         return threshold_for_fraction(reference_scores, s.default_target_fraction)
     return s.default_threshold
 
@@ -223,6 +311,11 @@ def answer_confidence(token_logprobs: Sequence[float]) -> tuple[float, float]:
 def escalation_for(s: RoutingSettings, tenant_id: str) -> EscalationSettings:
     """The tenant's escalation settings, else the "*" entry, else disabled defaults."""
     return s.escalation.get(tenant_id) or s.escalation.get("*") or EscalationSettings()
+
+
+def learning_for(s: RoutingSettings, tenant_id: str) -> LearningSettings | None:
+    """The tenant's learning settings, else the "*" entry; None: it collects no labels."""
+    return s.learning.get(tenant_id) or s.learning.get("*")
 
 
 def should_escalate(token_logprobs: Sequence[float], settings: EscalationSettings) -> bool:

@@ -138,6 +138,37 @@ def _cmd_bench_score(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval_adapt(args: argparse.Namespace) -> int:
+    import json
+
+    from cascade.adapt import AdaptConfig
+    from cascade.adapt_eval import render_summary, simulate
+    from cascade.data import DatasetError, load_dataset
+
+    try:
+        dataset = load_dataset(args.data)
+    except DatasetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    config = AdaptConfig.quick() if args.quick else AdaptConfig()
+    report = simulate(
+        dataset,
+        seeds=args.seeds,
+        subjects_per_domain=args.subjects_per_domain,
+        sizes=args.sizes,
+        max_domains=args.max_domains,
+        config=config,
+    )
+    table = render_summary(report)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "adapt.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        (out / "adapt.md").write_text(table + "\n", encoding="utf-8")
+    print(table)
+    return 0
+
+
 def add_cascade_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add `cascade` with `train`, `eval`, `score` and `bench-score`."""
     cascade = subparsers.add_parser("cascade", help="the difficulty classifier of the router")
@@ -165,6 +196,18 @@ def add_cascade_parser(subparsers: argparse._SubParsersAction) -> None:
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--quick", action="store_true", help="tiny search: a smoke run")
     ev.set_defaults(func=_cmd_eval)
+
+    ea = sub.add_parser(
+        "eval-adapt", help="adaptation simulation: subjects held out as tenant domains"
+    )
+    ea.add_argument("--data", required=True, help=data_help)
+    ea.add_argument("--out", default=None, help="directory for adapt.json and adapt.md")
+    ea.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ea.add_argument("--subjects-per-domain", type=int, default=8)
+    ea.add_argument("--sizes", type=int, nargs="+", default=[50, 200, 1000])
+    ea.add_argument("--max-domains", type=int, default=None, help="per seed (default: all)")
+    ea.add_argument("--quick", action="store_true", help="tiny search: a smoke run")
+    ea.set_defaults(func=_cmd_eval_adapt)
 
     sc = sub.add_parser("score", help='score JSONL on stdin: {"prompt"} or {"messages"}')
     sc.add_argument("--classifier", default=None, help=clf_help)

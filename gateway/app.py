@@ -13,6 +13,7 @@ from gateway.admin import admin_router
 from gateway.context import Gateway
 from gateway.errors import exception_handlers
 from gateway.intake import authenticate
+from gateway.learning_api import learning_routes
 from gateway.proxy import handle
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ def create_gateway_app(gw: Gateway) -> Litestar:
             ready,
             metrics,
             admin_router(gw),
+            *learning_routes(gw),
         ],
         exception_handlers=exception_handlers(gw.rng),
         lifespan=[lifespan],

@@ -37,6 +37,7 @@ class Gateway:
     rng: random.Random = field(default_factory=random.Random)
     metrics: "GatewayMetrics | None" = None
     router: "Router | None" = None  # the cascade, for `model: auto`
+    learner: Any = None  # gateway.shadow.Learner: labels from traffic (None: not collected)
     # Per pool, what a fleet supervisor in this process knows (replicas, the autoscaler's
     # last decision), merged into GET /admin/fleet; None: the pools are static URL lists.
     fleet_status: "Callable[[], dict[str, Any]] | None" = None

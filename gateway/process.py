@@ -11,13 +11,16 @@ from prometheus_client import CollectorRegistry
 
 from gateway.admission import QueueConfig
 from gateway.app import create_gateway_app
+from gateway.classifiers import ClassifierRegistry
 from gateway.config import GatewayConfig
 from gateway.context import Gateway
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.http_server import GatewayServer, server_config
+from gateway.labels import LabelStore
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool
 from gateway.routing import Router, RoutingMetrics
+from gateway.shadow import Learner
 from gateway.tokens import PromptCounter, load_tokenizer
 from quota.connection import make_redis
 from quota.journal import ReconcileJournal, journal_path
@@ -62,9 +65,10 @@ def build_gateway(
         requests=config.fail_requests,
         concurrency=config.fail_concurrency,
     )
-    router = None
+    router = learner = None
     if config.cascade_small_pool and config.cascade_large_pool:
         router = _build_router(config, redis, registry, pools)
+        learner = Learner(LabelStore(redis), registry, rng)
     # This process is one quota owner: reservations are indexed under its id, its journal
     # keeps the settlements Redis missed, and its maintenance task settles them (and those
     # of dead gateways) once Redis answers.
@@ -76,6 +80,7 @@ def build_gateway(
     )
     return Gateway(
         router=router,
+        learner=learner,
         config=config,
         store=TenantStore(redis),
         limiter=limiter,
@@ -112,6 +117,8 @@ def _build_router(config: GatewayConfig, redis, registry: CollectorRegistry, poo
         config.cascade_large_pool,
         scorer.name,
     )
+    cache = Path(config.data_dir) / "classifiers" / "versions"
+    cache.mkdir(parents=True, exist_ok=True)
     return Router(
         redis,
         scorer,
@@ -120,6 +127,7 @@ def _build_router(config: GatewayConfig, redis, registry: CollectorRegistry, poo
         config.cascade_large_pool,
         metrics,
         config.routing_poll_s,
+        classifiers=ClassifierRegistry(redis, cache),
     )
 
 

@@ -88,7 +88,10 @@ class Router:
         large_pool: str,
         metrics: RoutingMetrics,
         poll_s: float = 0.5,
+        classifiers: Any = None,
     ) -> None:
+        """`classifiers`: a `gateway.classifiers.ClassifierRegistry` of per-tenant scorers
+        (None: every tenant is scored by `scorer`)."""
         self.redis = redis
         self.scorer = scorer
         self.reference_scores = list(reference_scores)
@@ -97,7 +100,13 @@ class Router:
         self.metrics = metrics
         self.poll_s = poll_s
         self.settings = RoutingSettings()
+        self.classifiers = classifiers
         self._checked_at = 0.0
+
+    def scorer_for(self, tenant_id: str) -> tuple[DifficultyScorer, Sequence[float]]:
+        """The tenant's promoted classifier and its reference scores, else the default."""
+        own = self.classifiers.scorer_for(tenant_id) if self.classifiers is not None else None
+        return own if own is not None else (self.scorer, self.reference_scores)
 
     async def refresh(self, force: bool = False) -> RoutingSettings:
         """Re-read the settings if their version changed (at most every poll_s)."""
@@ -106,6 +115,8 @@ class Router:
             return self.settings
         self._checked_at = now
         try:
+            if self.classifiers is not None:
+                await self.classifiers.refresh()
             raw = await self.redis.get(SETTINGS_KEY)
         except Exception as exc:  # keep routing on the last settings we had
             log.warning(
@@ -155,9 +166,10 @@ class Router:
         """`structured`: the request's output is constrained (tools, a JSON schema); a flag
         carried to the decision and the debug log (the classifier is not trained on it)."""
         s = self.settings
+        scorer, reference = self.scorer_for(tenant_id)
         t0 = time.perf_counter()
         try:
-            score = self.scorer.score(prompt, messages, max_tokens)
+            score = scorer.score(prompt, messages, max_tokens)
         except Exception:
             log.exception("classifier failed; routing to %s", self.small_pool)
             self.metrics.failures.inc()
@@ -168,7 +180,7 @@ class Router:
         threshold = effective_threshold(
             s,
             tenant_id,
-            self.reference_scores,
+            reference,
             key_threshold=key_threshold,
             request_threshold=request_threshold,
         )
@@ -179,7 +191,7 @@ class Router:
         ):
             pool, reason = self.small_pool, "overflow"
         if log.isEnabledFor(logging.DEBUG):
-            top = self.scorer.explain(prompt, messages, max_tokens, top=5)
+            top = scorer.explain(prompt, messages, max_tokens, top=5)
             log.debug(
                 "auto: score %.3f threshold %.3f -> %s (%s, structured %s); top features %s",
                 score,

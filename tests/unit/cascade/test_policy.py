@@ -36,6 +36,7 @@ def test_fraction_threshold_sends_that_fraction_of_reference_traffic_large() -> 
 def test_threshold_precedence_request_key_tenant_default() -> None:
     s = RoutingSettings(
         default_threshold=0.5,
+        default_target_fraction=None,
         tenant_thresholds={"acme": 0.3, "both": 0.2},
         tenant_target_fractions={"frac": 0.1, "both": 0.5},
     )
@@ -48,6 +49,34 @@ def test_threshold_precedence_request_key_tenant_default() -> None:
     s.default_target_fraction = 0.25
     assert effective_threshold(s, "other", REF) == threshold_for_fraction(REF, 0.25)
     assert effective_threshold(s, "acme", REF) == 0.3  # tenant beats the default fraction
+
+
+def test_out_of_the_box_a_target_fraction_of_traffic_goes_large() -> None:
+    s = settings_from_dict({})
+    assert s.default_target_fraction == 0.3
+    assert effective_threshold(s, "t", REF) == threshold_for_fraction(REF, 0.3)
+    assert effective_threshold(s, "t", []) == s.default_threshold  # no reference: threshold
+    explicit = settings_from_dict({"default_threshold": 0.7})
+    assert explicit.default_target_fraction is None
+    assert effective_threshold(explicit, "t", REF) == 0.7
+
+
+def test_learning_settings_are_validated_per_tenant() -> None:
+    s = settings_from_dict(
+        {"learning": {"acme": {"shadow_fraction": 0.2, "judge": "exact"}}},
+        known_tenants={"acme"},
+    )
+    assert s.learning["acme"].shadow_fraction == 0.2 and s.learning["acme"].judge == "exact"
+    assert settings_from_dict(settings_to_dict(s)) == s
+    for bad, param in (
+        ({"acme": {"shadow_fraction": 2}}, "learning.acme.shadow_fraction"),
+        ({"acme": {"judge": "vibes"}}, "learning.acme.judge"),
+        ({"acme": {"judge": "http"}}, "learning.acme.judge_url"),
+        ({"ghost": {}}, "learning.ghost"),
+    ):
+        with pytest.raises(InvalidRouting) as err:
+            settings_from_dict({"learning": bad}, known_tenants={"acme"})
+        assert err.value.param == param
 
 
 def test_route_is_large_at_or_above_threshold() -> None:
