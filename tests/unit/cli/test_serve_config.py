@@ -1,0 +1,93 @@
+"""`switchyard serve` settings and local files, without starting anything."""
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cli.serve.config import ServeConfig, defaults_yaml, load_serve_config
+from cli.serve.stack import StartupError, check_port_free
+from cli.serve.state import admin_key, local_admin_key, write_pointer
+from tests.support.servers import REPO_ROOT
+
+
+def test_relative_paths_resolve_against_the_config_file_not_the_cwd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    path = conf / "serve.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "data_dir": "../state",
+                "pools": {"small": {"model_dir": "m/small"}},
+                "cascade": {"enabled": False},
+            }
+        )
+    )
+    monkeypatch.chdir("/")
+    cfg = load_serve_config(path)
+    assert cfg.path(cfg.data_dir) == tmp_path / "state"
+    assert cfg.path(cfg.pools["small"].model_dir) == conf / "m" / "small"
+
+
+def test_unknown_keys_and_bad_cascade_pools_are_refused_naming_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump({"pools": {"small": {"engine": {"dtyp": "float32"}}}}))
+    with pytest.raises(SystemExit, match=r"pools.small.engine: unknown keys \['dtyp'\]"):
+        load_serve_config(path)
+    path.write_text(yaml.safe_dump({"pools": {"small": {}}, "cascade": {"enabled": True}}))
+    with pytest.raises(SystemExit, match="cascade pool 'large'"):
+        load_serve_config(path)
+
+
+def test_the_shipped_config_loads_and_every_default_is_in_help() -> None:
+    cfg = load_serve_config(REPO_ROOT / "configs" / "serve.yaml")
+    assert set(cfg.pools) == {"small", "large"}
+    assert {p.model for p in cfg.pools.values()} == {"smollm2-135m-instruct"}
+    assert cfg.cascade.enabled and cfg.cascade.target_fraction
+    doc = yaml.safe_load(defaults_yaml())
+    assert set(doc) == set(ServeConfig.__dataclass_fields__) - {"base_dir"}
+    out = subprocess.run(
+        [sys.executable, "-m", "cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        check=True,
+    ).stdout
+    assert "target_fraction: 0.3" in out and "stall_restart_s" in out
+
+
+def test_a_taken_port_is_one_line_naming_the_option() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(StartupError, match=f"port {port} on 127.0.0.1 is in use.*--port"):
+            check_port_free("127.0.0.1", port, "--port")
+        done = subprocess.run(
+            [sys.executable, "-m", "cli", "serve", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            cwd=REPO_ROOT,
+        )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"error: port {port} on 127.0.0.1 is in use; choose another with --port or "
+        f"gateway.port in configs/serve.yaml"
+    ]
+
+
+def test_the_admin_key_is_generated_once_private_and_found_for_the_local_url(
+    tmp_path: Path,
+) -> None:
+    key, path, created = admin_key(tmp_path / "data")
+    assert created and path.stat().st_mode & 0o777 == 0o600
+    assert admin_key(tmp_path / "data") == (key, path, False)
+    write_pointer(tmp_path / "cache", "http://127.0.0.1:8000", tmp_path / "data", path)
+    assert local_admin_key(tmp_path / "cache", "http://127.0.0.1:8000/") == key
+    assert local_admin_key(tmp_path / "cache", "http://10.0.0.1:8000") is None
