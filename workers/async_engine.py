@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from workers.engine import LLMEngine, RequestOutput
 from workers.errors import RequestFailedError
 from workers.request import Request
+from workers.service_admission import QueueSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,23 @@ class AsyncEngine:
         waiting = list(self.engine.scheduler.waiting)
         reqs = pending + waiting
         return len(reqs), sum(r.num_tokens - r.num_computed_tokens for r in reqs)
+
+    def admission_snapshot(self) -> "QueueSnapshot":
+        """The waiting line in queue order (queued first, then new arrivals) with the
+        room the running batch and the KV cache have left. Read without stopping the
+        engine thread: a close, cheap estimate for admission."""
+        with self._lock:
+            pending = list(self._new)
+        sched = self.engine.scheduler
+        kv = sched.kv
+        reqs = list(sched.waiting) + pending
+        return QueueSnapshot(
+            waiting_tokens=[r.num_tokens - r.num_computed_tokens for r in reqs],
+            num_running=sched.num_running,
+            max_num_seqs=sched.config.max_num_seqs,
+            free_kv_tokens=kv.num_free_blocks * kv.block_size,
+            block_size=kv.block_size,
+        )
 
     def abort(self, request_id: str) -> None:
         with self._lock:

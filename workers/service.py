@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from workers.api import ApiError, LoadReport, WorkerState
 from workers.async_engine import AsyncEngine
 from workers.metrics import WorkerMetrics
+from workers.service_admission import backlog
 from workers.validation import RequestLimits
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,9 @@ class WorkerConfig:
     """Worker process settings; `switchyard worker` fills it from YAML."""
 
     served_model_names: list[str] = field(default_factory=list)  # first is reported
-    max_waiting_requests: int = 32  # the short waiting line; beyond it: 503
+    # The short waiting line; beyond it: 503. Requests that fit the running batch and
+    # the free KV (admitted within a step or two) do not count against it.
+    max_waiting_requests: int = 32
     max_waiting_prompt_tokens: int = 65536
     retry_after_s: float = 1.0  # base of Retry-After on 503; jitter is added
     retry_after_jitter_s: float = 2.0
@@ -152,8 +155,13 @@ class WorkerService:
             raise self.refuse("this worker is draining", "draining", "worker_draining")
         if engine.error is not None:
             raise self.refuse("the engine has failed", "engine_dead", "engine_failed")
-        waiting, queued = engine.queue_snapshot()
+        # Only what cannot be admitted soon counts against the short line: a burst that
+        # fits the running batch and the KV cache is never refused.
+        line = backlog(engine.admission_snapshot(), num_prompt_tokens)
+        if line.fits:
+            return engine
         cfg = self.config
+        waiting, queued = line.num_requests, line.num_tokens
         if waiting >= cfg.max_waiting_requests:
             raise self.refuse(f"{waiting} requests are already waiting", "queue_full")
         if queued + num_prompt_tokens > cfg.max_waiting_prompt_tokens and waiting:

@@ -220,7 +220,8 @@ def test_metrics_expose_vllm_style_names(worker):
 
 
 def test_full_waiting_line_gets_503_with_jittered_retry_after(demo_dir):
-    with running_worker(demo_dir, max_waiting_requests=1, stall_timeout_s=60) as w:
+    # One seat: the second request cannot be admitted soon, so it fills the line.
+    with running_worker(demo_dir, max_num_seqs=1, max_waiting_requests=1, stall_timeout_s=60) as w:
         w.stall()
         blocker = httpx.AsyncClient  # noqa: F841 (documentation: requests below stay resident)
         with httpx.Client(base_url=w.url, timeout=10) as c:
@@ -236,6 +237,39 @@ def test_full_waiting_line_gets_503_with_jittered_retry_after(demo_dir):
         w.unstall()
         first.join(10)
         second.join(10)
+
+
+def test_burst_that_fits_the_batch_and_kv_is_never_refused(demo_dir):
+    # The default shape: 64 seats, a line of 32. All 64 arrive while the engine is stuck
+    # in a step; the ones waiting for a seat that is free do not count against the line.
+    with running_worker(
+        demo_dir, max_num_seqs=64, max_waiting_requests=32, stall_timeout_s=60
+    ) as w:
+        w.stall()
+        statuses: list[int] = []
+
+        def one() -> None:
+            body = greedy_body(stream=True, max_tokens=4)
+            with httpx.stream("POST", f"{w.url}/v1/completions", json=body, timeout=60) as r:
+                statuses.append(r.status_code)
+                r.read()
+
+        import threading
+
+        threads = [threading.Thread(target=one, daemon=True) for _ in range(64)]
+        for t in threads:
+            t.start()
+        assert wait_until(
+            lambda: (
+                (lambda s: s["num_running"] + s["num_waiting"])(load(w.url)) >= 64
+                or len(statuses) == 64
+            ),
+            timeout_s=20,
+        )
+        w.unstall()
+        for t in threads:
+            t.join(60)
+        assert sorted(statuses) == [200] * 64
 
 
 def _send_async(url: str, body: dict):

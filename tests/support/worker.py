@@ -50,13 +50,13 @@ class RunningWorker:
 
 
 @contextmanager
-def running_worker(model_dir: Path, num_kv_blocks: int = 256, **worker_kw):
+def running_worker(model_dir: Path, num_kv_blocks: int = 256, max_num_seqs: int = 16, **worker_kw):
     engine = LLMEngine.from_pretrained(
         model_dir,
         EngineConfig(
             num_kv_blocks=num_kv_blocks,
             block_size=16,
-            scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512),
         ),
     )
     aengine = AsyncEngine(engine)
