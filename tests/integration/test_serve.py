@@ -254,7 +254,7 @@ def test_a_burst_scales_the_pool_up_and_quiet_drains_it_back_without_failing_a_r
         assert "Logging error" not in stack.err
 
 
-def test_a_killed_worker_is_restarted_and_its_streams_end_in_band(
+def test_a_killed_worker_is_restarted_its_streams_end_in_band_and_sigterm_stops_all(
     tmp_path: Path, demo_dir: Path
 ) -> None:
     config = {
@@ -316,3 +316,9 @@ def test_a_killed_worker_is_restarted_and_its_streams_end_in_band(
             "a request served after the restart",
         )
         assert "exited with status -9" in stack.err
+        # SIGTERM stops everything too, children and the daemonized redis-server included.
+        children = stack.processes() + [stack.redis_server()]
+        stack.proc.send_signal(signal.SIGTERM)
+        assert stack.proc.wait(30) == 0
+        _wait(lambda: _gone(children), 10, "every child to exit")
+        assert "Traceback" not in stack.err, stack.err[-3000:]
