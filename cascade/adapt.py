@@ -13,9 +13,14 @@ The vocabulary and scaler are fitted once on base plus tenant texts (no labels),
 inner folds reuse that matrix; only the logistic model is refitted per fold and weight.
 """
 
+import hashlib
+import json
 import logging
+import platform
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,10 +31,17 @@ from sklearn.pipeline import Pipeline
 from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
-from cascade.data import Example
+from cascade.artifact import REFERENCE_SCORES, load_artifact, write_artifact
+from cascade.classifier import LengthHeuristicScorer
+from cascade.data import Dataset, Example
 from cascade.metrics import routing_curve
-from cascade.model import LengthPriorLogisticRegression, TrainConfig, build_pipeline
-from cascade.train import arrays_of
+from cascade.model import (
+    LengthPriorLogisticRegression,
+    TrainConfig,
+    build_pipeline,
+    export_pipeline,
+)
+from cascade.train import _PARITY_TOLERANCE, arrays_of
 
 log = logging.getLogger(__name__)
 
@@ -190,3 +202,98 @@ def fit_adapted(
     return AdaptedModel(
         pipe, fitted.weight, fitted.prior_weight, a, b, sigmoid(fitted.oof, a, b), fitted.tuning
     )
+
+
+def merge_datasets(datasets: Sequence[Dataset]) -> Dataset:
+    """Several base datasets as one (their hashes hashed together)."""
+    if len(datasets) == 1:
+        return datasets[0]
+    digest = hashlib.sha256("".join(d.sha256 for d in datasets).encode()).hexdigest()
+    examples = [e for d in datasets for e in d.examples]
+    return Dataset(examples, " + ".join(d.source for d in datasets), digest)
+
+
+def train_adapted(
+    base: Dataset,
+    tenant: Dataset,
+    out_dir: Path,
+    config: AdaptConfig | None = None,
+    name: str | None = None,
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """Fit the tenant's classifier, write its artifact (the shipped format, pickle-free),
+    return its manifest. Its reference scores are the tenant's out-of-fold scores, so a
+    target fraction means a share of the tenant's own traffic."""
+    import sklearn
+
+    config = config or AdaptConfig()
+    name = name or out_dir.name
+    started = time.monotonic()
+    model = fit_adapted(base.examples, tenant.examples, config, show_progress)
+    params, arrays = export_pipeline(model.pipe, model.cal_a, model.cal_b)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / REFERENCE_SCORES).unlink(missing_ok=True)
+    write_artifact(out_dir, {"name": name}, params, arrays)
+    scorer = load_artifact(out_dir)
+    check = list(tenant.examples[:200]) + list(base.examples[:200])
+    ours = np.array([scorer.score_view(e.view) for e in check])
+    theirs = model.predict_proba([e.view for e in check])
+    parity = float(np.max(np.abs(ours - theirs)))
+    if parity > _PARITY_TOLERANCE:
+        raise RuntimeError(f"exported scorer differs from scikit-learn by {parity:.3g}")
+    yt, small, large = arrays_of(list(tenant.examples))
+    length = LengthHeuristicScorer()
+    length_scores = [length.score_view(e.view) for e in tenant.examples]
+    (out_dir / REFERENCE_SCORES).write_text(
+        json.dumps(
+            {
+                "scorer": name,
+                "num_prompts": len(tenant.examples),
+                "source": tenant.source,
+                "note": "the tenant's labelled prompts, out-of-fold scores",
+                "scores": {
+                    name: [round(float(s), 6) for s in model.oof_scores],
+                    length.name: length_scores,
+                },
+            }
+        )
+        + "\n",
+        encoding="utf-8",
+    )
+    best = max(model.tuning, key=lambda r: r["oof_apgr"])
+    manifest = {
+        "name": name,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "label": "needs_large = (not weak_ok) and strong_ok",
+        "training_data": {
+            "source": base.source,
+            "sha256": base.sha256,
+            "num_examples": len(base.examples),
+            "num_groups": len(set(base.groups)),
+        },
+        "adaptation": {
+            "source": tenant.source,
+            "sha256": tenant.sha256,
+            "num_labels": len(tenant.examples),
+            "needs_large_rate": float(yt.mean()),
+            "tenant_weight": model.weight,
+            "prior_weight": model.prior_weight,
+            "inner_folds": config.inner_folds,
+            "tenant_oof_apgr": best["oof_apgr"],
+            "tenant_prompt_length_apgr": routing_curve(
+                [len(e.view.text) for e in tenant.examples], small, large
+            ).apgr(),
+            "tuning": model.tuning,
+        },
+        "versions": {
+            "scikit-learn": sklearn.__version__,
+            "numpy": np.__version__,
+            "python": platform.python_version(),
+        },
+        "hyperparameters": {"C": config.C, "prior_weight": model.prior_weight},
+        "vocabulary_size": len(params["vocabulary"]),
+        "export_parity_max_abs_diff": parity,
+        "train_seconds": round(time.monotonic() - started, 1),
+    }
+    write_artifact(out_dir, manifest, params, arrays)
+    return json.loads((out_dir / "manifest.json").read_text(encoding="utf-8"))

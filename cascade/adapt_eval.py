@@ -109,10 +109,11 @@ def simulate_domain(
     for n in sizes:  # 0: every labelled row (half of the domain)
         if n > len(labelled):
             continue
-        tenant = labelled[: n or len(labelled)]
+        m = n or len(labelled)
+        tenant = labelled[:m]
         if len(set(arrays_of(tenant)[0].tolist())) < 2:
             continue
-        fitted = fit_on_matrix(X[:nb], yb, X[nb : nb + n], tenant, template, config)
+        fitted = fit_on_matrix(X[:nb], yb, X[nb : nb + m], tenant, template, config)
         out["adapted"][str(n)] = {
             "apgr": _apgr(fitted.clf.decision_function(X_test), test),
             "weight": fitted.weight,

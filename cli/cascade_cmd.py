@@ -5,6 +5,7 @@ Imports happen inside the command functions so `switchyard --help` stays fast.
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 
@@ -14,10 +15,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from cascade.train import train_classifier
 
     try:
-        dataset = load_dataset(args.data)
+        datasets = [load_dataset(d) for d in args.data]
+        tenant = load_dataset(args.adapt) if args.adapt else None
     except DatasetError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if tenant is not None:
+        return _train_adapted(args, datasets, tenant)
+    from cascade.adapt import merge_datasets
+
+    dataset = merge_datasets(datasets)
     manifest = train_classifier(
         dataset,
         Path(args.out),
@@ -33,6 +40,150 @@ def _cmd_train(args: argparse.Namespace) -> int:
             f"{ref['classifier']['apgr']:.3f}, prompt length {ref['prompt_length']['apgr']:.3f}"
         )
     return 0
+
+
+def _train_adapted(args: argparse.Namespace, datasets: list, tenant) -> int:  # noqa: ANN001
+    from cascade.adapt import AdaptConfig, merge_datasets, train_adapted
+
+    config = AdaptConfig.quick(args.seed) if args.quick else AdaptConfig(seed=args.seed)
+    try:
+        manifest = train_adapted(
+            merge_datasets(datasets), tenant, Path(args.out), config, args.name
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    a = manifest["adaptation"]
+    print(
+        f"wrote {args.out}: {a['num_labels']} tenant labels weighted x{a['tenant_weight']:g}, "
+        f"length prior x{a['prior_weight']:g}; tenant inner-fold APGR {a['tenant_oof_apgr']:.3f} "
+        f"(prompt length {a['tenant_prompt_length_apgr']:.3f})"
+    )
+    return 0
+
+
+def _admin(args: argparse.Namespace):  # noqa: ANN201
+    """(base URL, headers) of the gateway's admin API, as `switchyard admin` finds them."""
+    import os
+
+    from cli.models_cmd import cache_dir
+    from cli.serve.state import local_admin_key, local_stack
+
+    stack = local_stack(cache_dir(None))
+    url = (args.url or (stack["url"] if stack else "http://127.0.0.1:8000")).rstrip("/")
+    key = (
+        args.admin_key
+        or os.environ.get("SWITCHYARD_ADMIN_KEY")
+        or local_admin_key(cache_dir(None), url)
+    )
+    if not key:
+        raise SystemExit(
+            f"error: no admin key for {url}: give --admin-key or set SWITCHYARD_ADMIN_KEY"
+        )
+    return url, {"authorization": f"Bearer {key}", "x-admin-user": args.who}
+
+
+def _export_labels(args: argparse.Namespace, out: Path) -> dict:
+    import json
+
+    import httpx
+
+    url, headers = _admin(args)
+    r = httpx.get(
+        f"{url}/admin/routing/labels/{args.tenant}",
+        params={"split": args.split},
+        headers=headers,
+        timeout=120,
+    )
+    if r.status_code != 200:
+        raise SystemExit(f"error: {r.status_code} {r.text}")
+    doc = r.json()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as fh:
+        for row in doc["rows"]:
+            fh.write(json.dumps(row) + "\n")
+    print(
+        f"{len(doc['rows'])} labels of {args.tenant} ({args.split}) -> {out}; "
+        f"left out {doc['skipped']} of {doc['num_labels']}",
+        file=sys.stderr,
+    )
+    return doc
+
+
+def _cmd_export_labels(args: argparse.Namespace) -> int:
+    _export_labels(args, Path(args.out))
+    return 0
+
+
+def _promote(args: argparse.Namespace, artifact: Path) -> int:
+    import base64
+    import json
+
+    import httpx
+
+    from cascade.artifact import ArtifactError
+    from gateway.classifiers import read_artifact_files
+
+    url, headers = _admin(args)
+    try:
+        files = read_artifact_files(artifact)
+    except ArtifactError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    body = {
+        "files": {k: base64.b64encode(v).decode() for k, v in files.items()},
+        "force": args.force,
+    }
+    r = httpx.put(
+        f"{url}/admin/routing/classifiers/{args.tenant}", json=body, headers=headers, timeout=120
+    )
+    doc = r.json()
+    print(json.dumps(doc.get("figures", doc), indent=2))
+    if r.status_code == 200:
+        print(f"promoted: {args.tenant} now routes with version {doc['current']}")
+        return 0
+    print(f"not promoted ({r.status_code}): {doc.get('error', {}).get('message')}")
+    return 3
+
+
+def _cmd_promote(args: argparse.Namespace) -> int:
+    return _promote(args, Path(args.artifact))
+
+
+def _cmd_rollback(args: argparse.Namespace) -> int:
+    import json
+
+    import httpx
+
+    url, headers = _admin(args)
+    r = httpx.post(f"{url}/admin/routing/classifiers/{args.tenant}/rollback", headers=headers)
+    print(json.dumps(r.json(), indent=2))
+    return 0 if r.status_code == 200 else 1
+
+
+def _cmd_retrain(args: argparse.Namespace) -> int:
+    """export-labels (training split), train --adapt, promote: one command."""
+    from cascade.adapt import AdaptConfig, merge_datasets, train_adapted
+    from cascade.data import DatasetError, load_dataset
+
+    out = Path(args.out)
+    args.split = "train"
+    _export_labels(args, out / "labels.jsonl")
+    try:
+        base = merge_datasets([load_dataset(d) for d in args.data])
+        tenant = load_dataset(out / "labels.jsonl")
+    except DatasetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    config = AdaptConfig.quick(args.seed) if args.quick else AdaptConfig(seed=args.seed)
+    version = time.strftime("%Y%m%dT%H%M%S")
+    artifact = out / f"{args.tenant}-{version}"
+    try:
+        train_adapted(base, tenant, artifact, config, f"{args.tenant}-{version}")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return _promote(args, artifact)
 
 
 def _latency(classifier: str | None, views: list, num: int) -> dict:
@@ -177,7 +328,13 @@ def add_cascade_parser(subparsers: argparse._SubParsersAction) -> None:
     clf_help = "classifier artifact directory (default: the shipped difficulty-v1)"
 
     tr = sub.add_parser("train", help="train the classifier and write its artifact")
-    tr.add_argument("--data", required=True, help=data_help)
+    tr.add_argument("--data", required=True, action="append", help=data_help + " (repeatable)")
+    tr.add_argument(
+        "--adapt",
+        default=None,
+        help="a tenant's labels (JSONL of prompt, weak_ok, strong_ok[, group]), weighted up "
+        "by a factor chosen on inner folds of them (see export-labels)",
+    )
     tr.add_argument("--out", required=True, help="artifact directory to write")
     tr.add_argument("--name", default=None, help="artifact name (default: the directory name)")
     tr.add_argument("--num-reference", type=int, default=1000, help="held-out reference sample")
@@ -208,6 +365,37 @@ def add_cascade_parser(subparsers: argparse._SubParsersAction) -> None:
     ea.add_argument("--max-domains", type=int, default=None, help="per seed (default: all)")
     ea.add_argument("--quick", action="store_true", help="tiny search: a smoke run")
     ea.set_defaults(func=_cmd_eval_adapt)
+
+    def gateway_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--tenant", required=True)
+        p.add_argument("--url", default=None, help="the gateway (default: local serve; :8000)")
+        p.add_argument("--admin-key", default=None, help="default: $SWITCHYARD_ADMIN_KEY")
+        p.add_argument("--who", default="cli", help="who the audit log records")
+
+    el = sub.add_parser("export-labels", help="a tenant's labels from Redis, as training JSONL")
+    gateway_args(el)
+    el.add_argument("--out", required=True, help="JSONL file to write")
+    el.add_argument("--split", choices=("train", "holdout", "all"), default="train")
+    el.set_defaults(func=_cmd_export_labels)
+
+    pr = sub.add_parser("promote", help="upload a tenant's classifier; checked on held-out labels")
+    gateway_args(pr)
+    pr.add_argument("--artifact", required=True, help="artifact directory")
+    pr.add_argument("--force", action="store_true", help="skip the held-out check (audited)")
+    pr.set_defaults(func=_cmd_promote)
+
+    rb = sub.add_parser("rollback", help="a tenant back to its previous classifier")
+    gateway_args(rb)
+    rb.set_defaults(func=_cmd_rollback)
+
+    rt = sub.add_parser("retrain", help="export-labels + train --adapt + promote, for one tenant")
+    gateway_args(rt)
+    rt.add_argument("--data", required=True, action="append", help=data_help + " (base data)")
+    rt.add_argument("--out", required=True, help="working directory (labels, artifact)")
+    rt.add_argument("--force", action="store_true", help="promote even if not better (audited)")
+    rt.add_argument("--seed", type=int, default=0)
+    rt.add_argument("--quick", action="store_true", help="tiny search: tests and smoke runs")
+    rt.set_defaults(func=_cmd_retrain)
 
     sc = sub.add_parser("score", help='score JSONL on stdin: {"prompt"} or {"messages"}')
     sc.add_argument("--classifier", default=None, help=clf_help)

@@ -1,0 +1,213 @@
+"""The router learns from a tenant's traffic: shadow runs through the gateway over fake
+pools whose correctness follows a hidden rule produce labels, `switchyard cascade
+retrain` trains, checks and promotes a tenant classifier, and the routed split moves
+toward the rule. Also: feedback only from the tenant that made the request, shadow work
+not charged, promotion refused with figures, rollback, the audit log."""
+
+import json
+import random
+import tempfile
+import time
+from contextlib import ExitStack, contextmanager
+
+import httpx
+
+from benchmarks.fake_backend import FakeBackend
+from cli.main import main as cli_main
+from gateway.app import create_gateway_app
+from gateway.config import GatewayConfig
+from gateway.process import build_gateway
+from tests.integration.gateway.conftest import ADMIN, Stack, _flush, _wait_ready
+from tests.support.servers import serving
+from tests.unit.cascade.conftest import synthetic_rows, write_csv
+
+HARD = ("quantum", "torts", "virology", "econometrics")  # the small model gets these wrong
+EASY = ("geography", "marketing", "nutrition", "sociology")
+FILLER = "which of the following statements is most likely true given the passage".split()
+
+
+def question(topic: str, rng: random.Random) -> str:
+    words = " ".join(rng.choice(FILLER) for _ in range(rng.randint(8, 40)))
+    return f"A {topic} question: {words}?\nA. one\nB. two\nAnswer:"
+
+
+def small_answer(prompt: str) -> str:
+    return "The answer is (A)" if any(t in prompt for t in HARD) else "The answer is (B)"
+
+
+class RuleBackend:
+    """A FakeBackend whose non-streaming answers say what `answer(prompt)` says."""
+
+    def __init__(self, name: str, answer) -> None:  # noqa: ANN001
+        self.inner = FakeBackend(name=name)
+        self.answer = answer
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.inner(scope, receive, send)
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        sent = False
+
+        async def replay():  # noqa: ANN202
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return {"type": "http.disconnect"}
+
+        captured: list[dict] = []
+
+        async def capture(msg) -> None:  # noqa: ANN001
+            captured.append(msg)
+
+        await self.inner(scope, replay, capture)
+        start, payload = captured[0], b"".join(m.get("body", b"") for m in captured[1:])
+        doc = json.loads(payload)
+        if start["status"] == 200 and doc.get("choices"):
+            doc["choices"][0]["text"] = self.answer(json.loads(body).get("prompt") or "")
+        raw = json.dumps(doc).encode()
+        headers = [(k, v) for k, v in start["headers"] if k != b"content-length"]
+        headers.append((b"content-length", str(len(raw)).encode()))
+        await send({**start, "headers": headers})
+        await send({"type": "http.response.body", "body": raw})
+
+
+@contextmanager
+def rule_stack(redis_url: str):
+    _flush(redis_url)
+    with ExitStack() as stack:
+        small = RuleBackend("small0", small_answer)
+        large = RuleBackend("large0", lambda prompt: "The answer is (B)")
+        urls = {
+            n: stack.enter_context(serving(b)) for n, b in (("small0", small), ("large0", large))
+        }
+        cfg = GatewayConfig(
+            pools={"small": [urls["small0"]], "large": [urls["large0"]]},
+            data_dir=stack.enter_context(tempfile.TemporaryDirectory(prefix="sy-gw-")),
+            routing_poll_s=0.1,
+            admin_key=ADMIN,
+            default_pool="small",
+            load_poll_interval_s=0.05,
+            cascade_small_pool="small",
+            cascade_large_pool="large",
+        )
+        gw = build_gateway(cfg, redis_url)
+        url = stack.enter_context(serving(create_gateway_app(gw)))
+        _wait_ready(url)
+        yield Stack(url, {"small0": small.inner, "large0": large.inner}, urls, redis_url, gw)
+
+
+def _eventually(predicate, timeout_s: float = 10.0) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _ask(c: httpx.Client, prompt: str, spent: list[int]) -> httpx.Response:
+    r = c.post("/v1/completions", json={"model": "auto", "prompt": prompt, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    spent.append(r.json()["usage"]["total_tokens"])
+    return r
+
+
+def _large_rate(c: httpx.Client, topics, rng: random.Random, spent: list[int]) -> float:  # noqa: ANN001
+    n = 40
+    routed = [
+        _ask(c, question(rng.choice(topics), rng), spent).headers["x-switchyard-model"]
+        for _ in range(n)
+    ]
+    return routed.count("large") / n
+
+
+def test_shadow_labels_retrain_and_promotion_move_the_split_toward_the_rule(redis_url, tmp_path):
+    rng = random.Random(7)
+    with rule_stack(redis_url) as s:
+        key = s.tenant("acme")
+        other = s.tenant("intruder")
+        learning = {"shadow_fraction": 1.0, "keep_prompts": True, "feedback": True}
+        with s.admin() as a:
+            r = a.put(
+                "/admin/routing",
+                json={
+                    "learning": {"acme": learning},
+                    "shadow_tokens_per_minute": 10**9,
+                    "tenant_target_fractions": {"acme": 0.5},
+                },
+            )
+            assert r.status_code == 200, r.text
+        time.sleep(0.3)
+        with s.client(key) as c:
+            spent: list[int] = []
+            before_hard = _large_rate(c, HARD, rng, spent)
+            before_easy = _large_rate(c, EASY, rng, spent)
+            request_ids = []
+            for i in range(320):
+                r = _ask(c, question((HARD + EASY)[i % 8], rng), spent)
+                request_ids.append(r.headers["x-request-id"])
+            # Feedback: only the tenant that made the request can label it.
+            fb = {"request_id": request_ids[0], "outcome": "ok"}
+            assert c.post("/v1/feedback", json=fb).status_code == 200
+            with s.client(other) as intruder:
+                assert intruder.post("/v1/feedback", json=fb).status_code == 404
+            assert c.post("/v1/feedback", json={**fb, "outcome": "meh"}).status_code == 400
+
+        def labels() -> dict:
+            with s.admin() as a:
+                return a.get("/admin/routing/labels/acme", params={"split": "all"}).json()
+
+        assert _eventually(lambda: labels()["num_labels"] >= 400 + 1)
+        with s.admin() as a:
+            assert a.get("/admin/routing/labels/intruder").json()["num_labels"] == 0
+        # Shadow runs are the operator's, never the tenant's: usage counts routed answers only.
+        assert s.usage(key)["tokens_this_minute"] == sum(spent)
+        assert s.backends["small0"].total + s.backends["large0"].total == 2 * len(spent)
+        metrics = httpx.get(f"{s.url}/metrics").text
+        assert 'switchyard_cascade_shadow_runs_total{outcome="run"}' in metrics
+        rows = labels()["rows"]
+        hard_rows = [r for r in rows if any(t in r["prompt"] for t in HARD)]
+        assert hard_rows and not any(r["weak_ok"] for r in hard_rows if r["source"] == "shadow")
+
+        base = write_csv(tmp_path / "base.csv", synthetic_rows(240))
+        argv = ["cascade", "retrain", "--tenant", "acme", "--url", s.url, "--admin-key", ADMIN]
+        argv += ["--data", str(base), "--out", str(tmp_path / "retrain"), "--quick"]
+        assert cli_main(argv) == 0
+        with s.admin() as a:
+            state = a.get("/admin/routing/classifiers/acme").json()
+        assert state["current"] == 1
+        promoted = state["audit"][0]
+        assert promoted["action"] == "promote" and promoted["who"] == "cli"
+        figures = promoted["figures"]
+        assert figures["candidate"]["apgr"] > figures["current"]["apgr"]
+
+        time.sleep(0.3)  # every replica polls within routing_poll_s
+        with s.client(key) as c:
+            after_hard = _large_rate(c, HARD, rng, spent)
+            after_easy = _large_rate(c, EASY, rng, spent)
+        print(
+            f"large share hard/easy: before {before_hard}/{before_easy}, "
+            f"after {after_hard}/{after_easy}"
+        )
+        assert after_hard - after_easy > 0.6, (after_hard, after_easy)
+        assert after_hard - after_easy > before_hard - before_easy + 0.4
+
+        # A candidate that does not beat the current one is refused, with the figures.
+        again = tmp_path / "retrain"
+        artifact = next(p for p in again.iterdir() if p.is_dir())
+        argv = ["cascade", "promote", "--tenant", "acme", "--url", s.url, "--admin-key", ADMIN]
+        assert cli_main([*argv, "--artifact", str(artifact)]) == 3
+        with s.admin() as a:
+            state = a.get("/admin/routing/classifiers/acme").json()
+            assert state["current"] == 1 and state["audit"][0]["action"] == "refused"
+            r = a.post("/admin/routing/classifiers/acme/rollback")
+            assert r.status_code == 200 and r.json()["current"] is None
+        time.sleep(0.3)
+        with s.client(key) as c:
+            assert _large_rate(c, HARD, rng, spent) - _large_rate(c, EASY, rng, spent) < 0.6
