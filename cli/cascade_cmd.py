@@ -320,6 +320,24 @@ def _cmd_eval_adapt(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_check_default(args: argparse.Namespace) -> int:
+    import json
+
+    from cascade.data import load_dataset
+    from cascade.model import TrainConfig
+    from cascade.ood_check import check_default
+
+    config = TrainConfig(seed=args.seed)
+    if args.prior_weights:
+        config.prior_weights = tuple(args.prior_weights)
+    report = check_default(load_dataset(args.data), config)
+    text = json.dumps(report, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n", encoding="utf-8")
+    print(text)
+    return 0
+
+
 def add_cascade_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add `cascade` with `train`, `eval`, `score` and `bench-score`."""
     cascade = subparsers.add_parser("cascade", help="the difficulty classifier of the router")
@@ -396,6 +414,15 @@ def add_cascade_parser(subparsers: argparse._SubParsersAction) -> None:
     rt.add_argument("--seed", type=int, default=0)
     rt.add_argument("--quick", action="store_true", help="tiny search: tests and smoke runs")
     rt.set_defaults(func=_cmd_retrain)
+
+    cd = sub.add_parser(
+        "check-default", help="the shipped procedure vs length on subjects held out of tuning"
+    )
+    cd.add_argument("--data", required=True, help=data_help)
+    cd.add_argument("--out", default=None, help="also write the JSON here")
+    cd.add_argument("--prior-weights", type=float, nargs="+", default=None)
+    cd.add_argument("--seed", type=int, default=0)
+    cd.set_defaults(func=_cmd_check_default)
 
     sc = sub.add_parser("score", help='score JSONL on stdin: {"prompt"} or {"messages"}')
     sc.add_argument("--classifier", default=None, help=clf_help)

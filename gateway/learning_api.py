@@ -4,6 +4,7 @@ per-tenant classifiers (`/admin/routing/classifiers/{tenant}`) and label export
 
 import base64
 import binascii
+import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -78,7 +79,6 @@ def _upload(change: ClassifierChange, scratch: Path) -> dict[str, bytes]:
             files[name] = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError):
             raise ApiError(400, f"files.{name} is not base64", param=f"files.{name}") from None
-    scratch.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
         (scratch / name).write_bytes(data)
     try:
@@ -127,8 +127,11 @@ def learning_routes(gw: Gateway) -> list:
         router, learner = _learner(gw)
         version = change.version
         if version is None:
-            scratch = Path(gw.config.data_dir) / "classifiers" / ".upload"
-            version = await registry.store(tenant, _upload(change, scratch), who)
+            scratch_root = Path(gw.config.data_dir) / "classifiers"
+            scratch_root.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=scratch_root, prefix=".upload-") as scratch:
+                files = _upload(change, Path(scratch))
+            version = await registry.store(tenant, files, who)
         state = await registry.state(tenant)
         if str(version) not in state["versions"]:
             raise ApiError(404, f"no stored version {version} for {tenant!r}", param="version")
