@@ -6,6 +6,7 @@ transformers' modeling code (RMSNorm in fp32, rotate-half RoPE) so greedy output
 """
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -96,12 +97,39 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class CausalLM:
-    """Forward pass over a flat batch with a paged KV cache."""
+class ShardOps(Protocol):
+    """The collectives of a shard group (`workers.tp`) that the forward pass calls."""
 
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, max_positions: int) -> None:
+    def embed(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Hidden states from a vocabulary-sharded embedding (summed over the ranks)."""
+        ...
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of the ranks' partial outputs of a row-parallel layer."""
+        ...
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Whole-vocabulary logits from each rank's vocabulary shard."""
+        ...
+
+
+class CausalLM:
+    """Forward pass over a flat batch with a paged KV cache.
+
+    With `tp` (a shard group), `cfg` is this rank's share (`workers.tp.plan.local_config`)
+    and `weights` its shard; None is one device, unchanged.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: ModelWeights,
+        max_positions: int,
+        tp: ShardOps | None = None,
+    ) -> None:
         self.cfg = cfg
         self.weights = weights
+        self.tp = tp
         device, dtype = weights.embed.device, weights.embed.dtype
         self.rotary = RotaryEmbedding(cfg, max_positions, device, dtype)
         self.scale = cfg.head_dim**-0.5
@@ -118,10 +146,10 @@ class CausalLM:
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Logits ([len(logits_indices), vocab], fp32) of the rows that sample a token."""
-        cfg, w = self.cfg, self.weights
+        cfg, w, tp = self.cfg, self.weights, self.tp
         eps = cfg.rms_norm_eps
         n = input_ids.shape[0]
-        h = F.embedding(input_ids, w.embed)
+        h = F.embedding(input_ids, w.embed) if tp is None else tp.embed(input_ids, w.embed)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(w.layers, kv_caches, strict=True)):
             x = rms_norm(h, layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
@@ -135,9 +163,12 @@ class CausalLM:
             q, k = self.rotary(q, k, positions)
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             attn = paged_attention(q, k, v, i, k_cache, v_cache, meta, block_size, self.scale)
-            h = h + F.linear(attn, layer.o)
+            o = F.linear(attn, layer.o)
+            h = h + (o if tp is None else tp.all_reduce(o))
             x = rms_norm(h, layer.post_norm, eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            down = F.linear(F.silu(gate) * up, layer.down)
+            h = h + (down if tp is None else tp.all_reduce(down))
         h = rms_norm(h[logits_indices], w.norm, eps)
-        return F.linear(h, w.lm_head).float()
+        logits = F.linear(h, w.lm_head).float()
+        return logits if tp is None else tp.gather_logits(logits)

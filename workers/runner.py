@@ -5,6 +5,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from workers.model import CausalLM
 from workers.model_config import ModelConfig, load_model_config
 from workers.request import Request
 from workers.sampler import compute_logprobs, make_sampling_batch, sample
+
+if TYPE_CHECKING:
+    from workers.tp.shard import RankShard
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +101,14 @@ def _num_cpus() -> int:
 class ModelRunner:
     """Runs one step of the model over a flat batch and samples the next tokens."""
 
-    def __init__(self, model_dir: Path, config: EngineConfig) -> None:
+    def __init__(
+        self, model_dir: Path, config: EngineConfig, shard: "RankShard | None" = None
+    ) -> None:
+        """`shard`: this process is one rank of a shard group (`workers.tp`) and holds its
+        share of the heads, MLP columns and vocabulary; None = the whole model here."""
         t0 = time.perf_counter()
         self.config = config
+        self.shard = shard
         self.num_threads = plan_threads(config.threads, _num_cpus())
         torch.set_num_threads(self.num_threads)
         self.device = torch.device(config.device)
@@ -107,9 +116,13 @@ class ModelRunner:
         self.model_config = load_model_config(model_dir)
         cfg = self.model_config
         self.max_model_len = min(config.max_model_len or cfg.max_context, cfg.max_context)
-        weights = load_weights(cfg, model_dir, self.dtype, self.device)
+        if shard is None:
+            weights = load_weights(cfg, model_dir, self.dtype, self.device)
+        else:  # sized by this rank's share; self.model_config stays the whole model's
+            weights = shard.load_weights(cfg, model_dir, self.dtype, self.device)
+            cfg = shard.local_config(cfg)
         self.num_parameters = weights.num_parameters()
-        self.model = CausalLM(cfg, weights, self.max_model_len)
+        self.model = CausalLM(cfg, weights, self.max_model_len, shard)
         self.block_size = config.block_size
         per_token = kv_bytes_per_token(cfg, self.dtype)
         if config.num_kv_blocks is not None:
@@ -124,6 +137,8 @@ class ModelRunner:
                 config.scheduler.max_num_seqs * self.max_model_len,
                 None if config.kv_cache_gib is None else int(config.kv_cache_gib * 2**30),
             )
+        if shard is not None:  # every rank holds the same blocks (of its own KV heads)
+            self.num_kv_blocks = shard.agree_min(self.num_kv_blocks)
         num_slots = self.num_kv_blocks * self.block_size
         shape = (cfg.num_kv_heads, num_slots, cfg.head_dim)
         self.kv_caches = [
@@ -195,8 +210,8 @@ class ModelRunner:
         )
         if num_ws:
             self.workspace.commit([req.request_id for req, _ in batch[:num_ws]])
-        if not samplers:
-            return {}
+        if not samplers or (self.shard is not None and self.shard.rank != 0):
+            return {}  # ranks other than 0 only compute their shard; rank 0 samples
         for req in samplers:
             if req.params.seed is not None and req.generator is None:
                 req.generator = torch.Generator(device=dev).manual_seed(req.params.seed)
