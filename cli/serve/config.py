@@ -59,6 +59,7 @@ class CascadeSection:
 class FleetSection:
     autoscale: bool = True  # False: each pool stays at min_replicas
     interval_s: float = 1.0  # one autoscaler tick per pool
+    rate_window_s: float = 10.0  # arrivals and service time are measured over this
     restart_base_s: float = 1.0  # restart backoff of a crashed worker: 1, 2, 4 ... s
     restart_max_s: float = 30.0
     stall_restart_s: float = 30.0  # a worker stalled this long is killed and restarted

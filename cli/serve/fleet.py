@@ -37,10 +37,13 @@ class PoolMembership:
         self.pools[pool].remove_member(url, lost=lost)
 
 
-def pool_signals(pool: Pool, supervisor: LocalSupervisor) -> PoolSignals:
-    """One pool now: the gateway's queue and rates, the supervisor's replicas."""
-    arrivals, service_s = pool.rates(RATE_WINDOW_S)
-    wait = pool.estimated_wait_s(RATE_WINDOW_S)
+def pool_signals(
+    pool: Pool, supervisor: LocalSupervisor, window_s: float = RATE_WINDOW_S
+) -> PoolSignals:
+    """One pool now: the gateway's queue and rates (over `window_s`), the supervisor's
+    replicas."""
+    arrivals, service_s = pool.rates(window_s)
+    wait = pool.estimated_wait_s(window_s)
     return PoolSignals(
         pool=pool.name,
         replicas=supervisor.signals(pool.name),
@@ -62,11 +65,13 @@ class FleetLoop:
         autoscaler: Autoscaler | None,
         interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        rate_window_s: float = RATE_WINDOW_S,
     ) -> None:
         self.pools = pools
         self.supervisor = supervisor
         self.autoscaler = autoscaler
         self.interval_s = interval_s
+        self.rate_window_s = rate_window_s
         self.clock = clock
         self.last_signals: dict[str, PoolSignals] = {}
 
@@ -85,7 +90,7 @@ class FleetLoop:
         if self.supervisor.stopping:
             return
         for name, pool in self.pools.items():
-            signals = pool_signals(pool, self.supervisor)
+            signals = pool_signals(pool, self.supervisor, self.rate_window_s)
             self.last_signals[name] = signals
             if self.autoscaler is None:
                 continue

@@ -232,7 +232,13 @@ class Stack:
         autoscaler = None
         if cfg.fleet.autoscale:
             autoscaler = Autoscaler({n: autoscaler_config(p) for n, p in cfg.pools.items()})
-        fleet = FleetLoop(gw.pools, supervisor, autoscaler, cfg.fleet.interval_s)
+        fleet = FleetLoop(
+            gw.pools,
+            supervisor,
+            autoscaler,
+            cfg.fleet.interval_s,
+            rate_window_s=cfg.fleet.rate_window_s,
+        )
         gw.fleet_status = fleet.status
         host, port = cfg.gateway.host, cfg.gateway.port
         server_cfg = server_config(

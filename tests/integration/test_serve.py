@@ -173,7 +173,7 @@ def test_serve_comes_up_answers_the_printed_curl_with_auto_and_ctrl_c_leaves_no_
         assert "Traceback" not in stack.err, stack.err[-3000:]
 
 
-def _stream(base: str, key: str, results: list, max_tokens: int = 48) -> None:
+def _stream(base: str, key: str, results: list, max_tokens: int = 32) -> None:
     """One streaming request; appends 'ok' or what went wrong."""
     body = {
         "model": "small",
@@ -213,7 +213,7 @@ def test_a_burst_scales_the_pool_up_and_quiet_drains_it_back_without_failing_a_r
     config = {
         "pools": {"small": _pool(demo_dir, min_replicas=1, max_replicas=2, autoscaler=scaler)},
         "cascade": {"enabled": False},
-        "fleet": {"interval_s": 0.5},
+        "fleet": {"interval_s": 0.5, "rate_window_s": 3},
     }
     with serve(tmp_path, config) as stack:
         env = stack.exports()
@@ -233,9 +233,12 @@ def test_a_burst_scales_the_pool_up_and_quiet_drains_it_back_without_failing_a_r
         for t in threads:
             t.start()
         try:
+            _wait(lambda: len(stack.replicas("small")) >= 2, 30, "a second replica ordered")
+            # Enough load to keep the order (demand of 2 slots), less CPU for it to start.
+            level["clients"] = 2
             _wait(
                 lambda: sum(r["state"] == "ready" for r in stack.replicas("small")) >= 2,
-                45,
+                30,
                 "a second ready replica",
             )
             fleet = stack.admin("/admin/fleet")["small"]
