@@ -99,6 +99,23 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     except StartupError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from workers.tp.config import ShardConfig
+
+    shard_cfg = fill(ShardConfig, raw.get("shard_group"), f"{args.config}: shard_group")
+    if args.tensor_parallel is not None:
+        shard_cfg.tensor_parallel = args.tensor_parallel
+    if shard_cfg.tensor_parallel != 1:
+        from workers.tp.plan import ShardingError
+        from workers.tp.worker import serve_sharded_worker
+
+        level = "debug" if args.verbose else args.log_level
+        try:
+            return serve_sharded_worker(
+                model_dir, engine_cfg, worker_cfg, shard_cfg, args.host, args.port, level
+            )
+        except ShardingError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     return serve_worker(model_dir, engine_cfg, worker_cfg, args.host, args.port)
 
 
@@ -284,7 +301,19 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
     worker.add_argument("--host", default="127.0.0.1")
     worker.add_argument("--port", type=int, default=8100)
-    worker.add_argument("--config", default=None, help="YAML with `engine:` and `worker:` sections")
+    worker.add_argument(
+        "--config",
+        default=None,
+        help="YAML with `engine:`, `worker:` and `shard_group:` sections",
+    )
+    worker.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split the model over N devices (ranks: rank 0 serves, N-1 child processes; "
+        "NCCL on GPUs, gloo on CPU); default: shard_group.tensor_parallel, else 1",
+    )
     worker.add_argument(
         "--served-model-name", action="append", help="model name(s) to answer to (repeatable)"
     )

@@ -148,6 +148,13 @@ class AsyncEngine:
             self._aborts.append(request_id)
         self._wake.set()
 
+    def fail(self, error: BaseException) -> None:
+        """Declare the engine dead from outside its thread (a shard group lost a rank, say):
+        streams get `error`, death callbacks run, the loop stops. Idempotent."""
+        self._die(error)
+        self._stop = True
+        self._wake.set()
+
     def _loop(self) -> None:
         engine = self.engine
         try:
@@ -173,17 +180,22 @@ class AsyncEngine:
                 self._deliver(outputs)
         except BaseException as exc:  # noqa: BLE001 (report any death to every waiter)
             log.exception("engine loop died")
-            with self._lock:
-                self.error = exc
-                streams = list(self._streams.values())
-                callbacks, self._on_death = self._on_death, []
-            for loop, queue in streams:
-                try:
-                    loop.call_soon_threadsafe(queue.put_nowait, exc)
-                except RuntimeError:  # that caller's event loop is gone already
-                    pass
-            for callback in callbacks:
-                callback(exc)
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = exc
+            streams = list(self._streams.values())
+            callbacks, self._on_death = self._on_death, []
+        for loop, queue in streams:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+            except RuntimeError:  # that caller's event loop is gone already
+                pass
+        for callback in callbacks:
+            callback(exc)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}

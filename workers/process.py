@@ -3,6 +3,7 @@
 import logging
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
@@ -18,8 +19,18 @@ from workers.service import WorkerConfig, WorkerService
 log = logging.getLogger(__name__)
 
 
-def build_worker(model_dir: Path, engine_config: EngineConfig, config: WorkerConfig):
-    """The app and its service; the model loads in a thread once the app starts."""
+def build_worker(
+    model_dir: Path,
+    engine_config: EngineConfig,
+    config: WorkerConfig,
+    make_engine: Callable[[], LLMEngine] | None = None,
+    on_engine: Callable[[AsyncEngine], None] | None = None,
+):
+    """The app and its service; the model loads in a thread once the app starts.
+
+    `make_engine` builds the engine in that thread (None: `LLMEngine.from_pretrained`);
+    `on_engine` sees the AsyncEngine before it starts (a shard group's failure hook).
+    """
     if not config.served_model_names:
         config.served_model_names = [model_dir.name]
     registry = CollectorRegistry()
@@ -31,12 +42,17 @@ def build_worker(model_dir: Path, engine_config: EngineConfig, config: WorkerCon
 
     def load() -> None:
         try:
-            engine = LLMEngine.from_pretrained(model_dir, engine_config)
+            if make_engine is not None:
+                engine = make_engine()
+            else:
+                engine = LLMEngine.from_pretrained(model_dir, engine_config)
         except Exception as exc:  # reported on /load and in the log; the process stays up
             log.exception("failed to load %s", model_dir)
             service.load_error = str(exc)
             return
         aengine = AsyncEngine(engine)
+        if on_engine is not None:
+            on_engine(aengine)
         aengine.start()
         service.set_engine(aengine)
         log.info(
@@ -55,13 +71,19 @@ def build_worker(model_dir: Path, engine_config: EngineConfig, config: WorkerCon
 
 
 def serve_worker(
-    model_dir: Path, engine_config: EngineConfig, config: WorkerConfig, host: str, port: int
+    model_dir: Path,
+    engine_config: EngineConfig,
+    config: WorkerConfig,
+    host: str,
+    port: int,
+    make_engine: Callable[[], LLMEngine] | None = None,
+    on_engine: Callable[[AsyncEngine], None] | None = None,
 ) -> int:
     """Serve until stopped or drained (exit status 0), or until the engine dies (1)."""
     # The engine thread runs Python between torch kernels; with the default 5 ms GIL
     # switch interval the event loop could wait that long to send a ready token.
     sys.setswitchinterval(0.0005)
-    app, service = build_worker(model_dir, engine_config, config)
+    app, service = build_worker(model_dir, engine_config, config, make_engine, on_engine)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -84,7 +106,10 @@ def serve_worker(
 
     def exit_failed() -> None:  # from the engine thread; in-flight requests got errors
         failed.set()
-        server.should_exit = True
+        # /ready answers 503 `stalled` a moment first, so a poller sees why it went away.
+        delay = threading.Timer(config.failure_exit_delay_s, exit_now)
+        delay.daemon = True
+        delay.start()
 
     service.on_drained = exit_now
     service.on_engine_failure = exit_failed

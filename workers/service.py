@@ -42,6 +42,7 @@ class WorkerConfig:
     # When the engine thread dies (a failure no request explains), fail what is in
     # flight and exit non-zero so a supervisor restarts the process.
     exit_on_engine_failure: bool = True
+    failure_exit_delay_s: float = 1.0  # /ready answers `stalled` this long before that exit
 
 
 def is_loopback(host: str) -> bool:

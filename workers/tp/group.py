@@ -82,6 +82,11 @@ class ShardGroup:
         self.failed: BaseException | None = None
         self.closed = False
 
+    def mark_failed(self, error: BaseException) -> None:
+        """The ranks are out of step (a collective failed, or a rank failed mid-step)."""
+        if self.failed is None:
+            self.failed = error
+
     # -- collectives with a timeout ---------------------------------------------------
 
     def _wait(self, work, what: str, timeout: datetime.timedelta | None = None) -> None:
@@ -90,12 +95,12 @@ class ShardGroup:
         try:
             ok = work.wait(timeout=timeout or self.timeout)
         except Exception as exc:  # a peer closed its connection, or the wait timed out
-            self.failed = exc
+            self.mark_failed(exc)
             raise ShardGroupError(
                 f"rank {self.rank}: {what} failed ({exc}); a rank died or hung"
             ) from exc
         if ok is False:
-            self.failed = TimeoutError(what)
+            self.mark_failed(TimeoutError(what))
             raise ShardGroupError(f"rank {self.rank}: {what} timed out")
         self.last_contact = time.monotonic()
 
@@ -187,7 +192,7 @@ class HeartbeatThread(threading.Thread):
             try:
                 why = self.rank_exited()
                 if why is not None:
-                    self.group.failed = self.group.failed or RuntimeError(why)
+                    self.group.mark_failed(RuntimeError(why))
                     raise ShardGroupError(why)
                 self.group.ping_if_quiet()
             except ShardGroupError as exc:

@@ -119,6 +119,15 @@ class ShardGroupLauncher:
         self.heartbeat.start()
         return runner
 
+    def build_engine(self) -> LLMEngine:
+        """`build_runner`, then the engine around it (rank 0 schedules and samples)."""
+        from workers.tokenizer import CheckpointTokenizer
+
+        runner = self.build_runner()
+        has_tok = (self.model_dir / "tokenizer.json").is_file()
+        tokenizer = CheckpointTokenizer(self.model_dir) if has_tok else None
+        return LLMEngine(runner, tokenizer, self.engine_config)
+
     def rank_exited(self) -> str | None:
         for rank, proc in enumerate(self.procs, start=1):
             code = proc.poll()
@@ -157,11 +166,16 @@ class ShardGroupLauncher:
                 group.send(STOP)
             except ShardGroupError as exc:
                 log.warning("could not stop the other ranks cleanly: %s", exc)
+        failed = self.failed
         for proc in self.procs:
             try:
-                proc.wait(grace_s if not self.failed else 0.5)
+                proc.wait(0.5 if failed else grace_s)
             except subprocess.TimeoutExpired:
-                proc.terminate()
+                # A failed group's ranks may be hung (stopped, stuck in a collective).
+                if failed:
+                    proc.kill()
+                else:
+                    proc.terminate()
         for proc in self.procs:
             try:
                 proc.wait(grace_s)
@@ -177,14 +191,9 @@ def sharded_engine(
     model_dir: Path, engine_config: EngineConfig, config: ShardConfig
 ) -> tuple[LLMEngine, ShardGroupLauncher]:
     """An offline engine over a shard group (tests, benches): call `launcher.close()`."""
-    from workers.tokenizer import CheckpointTokenizer
-
     launcher = ShardGroupLauncher(model_dir, engine_config, config)
     try:
-        runner = launcher.build_runner()
-        has_tok = (Path(model_dir) / "tokenizer.json").is_file()
-        tokenizer = CheckpointTokenizer(Path(model_dir)) if has_tok else None
-        return LLMEngine(runner, tokenizer, launcher.engine_config), launcher
+        return launcher.build_engine(), launcher
     except BaseException:
         launcher.close(grace_s=2.0)
         raise

@@ -100,6 +100,7 @@ class ShardedRunner(ModelRunner):
                 raise
             except Exception as exc:  # the ranks' collectives are out of step now
                 why = f"rank {group.rank}: the forward pass failed: {exc!r}"
+                group.mark_failed(exc)
                 raise ShardGroupError(why) from exc
             self._forward_done = True
             return logits
@@ -121,6 +122,7 @@ class ShardedRunner(ModelRunner):
                 if self._forward_done:
                     raise
                 why = f"rank 0: a step failed before its forward pass: {exc!r}"
+                self.group.mark_failed(exc)
                 raise ShardGroupError(why) from exc
 
     def follow(self) -> None:
