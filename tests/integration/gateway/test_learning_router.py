@@ -211,3 +211,52 @@ def test_shadow_labels_retrain_and_promotion_move_the_split_toward_the_rule(redi
         time.sleep(0.3)
         with s.client(key) as c:
             assert _large_rate(c, HARD, rng, spent) - _large_rate(c, EASY, rng, spent) < 0.6
+
+
+def test_escalations_are_labelled_and_shadow_runs_stay_within_the_operator_budget(redis_url):
+    from tests.integration.gateway.conftest import gateway_stack
+
+    with gateway_stack(redis_url, cascade_small_pool="small", cascade_large_pool="large") as s:
+        key = s.tenant("esc")
+        settings = {
+            "default_threshold": 1.0,  # everything small
+            "escalation": {"esc": {"enabled": True, "min_mean_logprob": -1.0}},
+            "learning": {"esc": {"shadow_fraction": 1.0, "judge": "exact"}},
+            "shadow_tokens_per_minute": 30,  # about two shadow runs of these requests
+        }
+        with s.admin() as a:
+            assert a.put("/admin/routing", json=settings).status_code == 200
+        time.sleep(0.3)
+        with s.client(key) as c:
+            s.backends["small0"].logprob = -5.0  # unsure: escalated, labelled by the judge
+            r = c.post("/v1/completions", json={"model": "auto", "prompt": "hi", "max_tokens": 4})
+            assert r.headers["x-switchyard-route"] == "escalated"
+            s.backends["small0"].logprob = -0.01  # sure: not escalated, shadowed if budget
+            for _ in range(6):
+                prompt = {"model": "auto", "prompt": "a" * 40, "max_tokens": 4}
+                assert c.post("/v1/completions", json=prompt).status_code == 200
+
+        def labels() -> list[dict]:
+            with s.admin() as a:
+                return a.get("/admin/routing/labels/esc", params={"split": "all"}).json()
+
+        assert _eventually(lambda: labels()["num_labels"] >= 2)
+        time.sleep(0.3)
+        doc = labels()
+        metrics = httpx.get(f"{s.url}/metrics").text
+        runs = _sample(metrics, 'switchyard_cascade_shadow_runs_total{outcome="run"}')
+        shed = _sample(metrics, 'switchyard_cascade_shadow_runs_total{outcome="budget"}')
+        assert runs + shed == 6 and 1 <= runs <= 2 and shed >= 4, (runs, shed)
+        assert doc["num_labels"] == 1 + runs
+        # keep_prompts is off: labels hold features only, nothing to train on
+        assert doc["rows"] == [] and doc["skipped"]["no_prompt"] == 1 + runs
+        assert (
+            'switchyard_cascade_labels_total{source="escalation",verdict="not_ok"} 1.0' in metrics
+        )
+
+
+def _sample(metrics: str, name: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
