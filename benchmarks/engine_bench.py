@@ -41,6 +41,8 @@ class BenchOptions:
     )
     seed: int = 0
     model_dir: Path | None = None  # any local checkpoint; None = the random bench model
+    # Throughput and decode run once per dtype, each beside transformers in that dtype.
+    dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
 
 
 def make_bench_checkpoint(path: Path) -> Path:
@@ -67,8 +69,9 @@ def make_workload(
     ]
 
 
-def _run_child(system: str, spec: dict, tmp: Path) -> dict:
-    spec_path, out_path = tmp / f"{system}.spec.json", tmp / f"{system}.out.json"
+def _run_child(system: str, spec: dict, tmp: Path, key: str | None = None) -> dict:
+    name = (key or system).replace("/", "-")
+    spec_path, out_path = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "benchmarks.engine_systems", system, str(spec_path), str(out_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -92,21 +95,24 @@ def run_engine_bench(opts: BenchOptions) -> dict:
 
     work = make_workload(opts.num_requests, opts.seed, opts.quick, vocab)
     jobs: list[tuple[str, dict]] = []
-    if "throughput" in opts.scenarios:
-        base = {"ckpt": str(ckpt), "workload": work, "budget": 2048}
-        jobs += [
-            ("switchyard", base),
-            ("hf_generate", {**base, "hf_sample": opts.hf_sample}),
-            ("hf_generate_batch", base),
-        ]
-    if "decode" in opts.scenarios:
-        decode_spec = {
-            "ckpt": str(ckpt),
-            "decode_batch": 64,
-            "decode_context": 64 if opts.quick else 256,
-            "decode_steps": 8 if opts.quick else 32,
-        }
-        jobs.append(("decode", decode_spec))
+    for dtype in opts.dtypes:
+        if "throughput" in opts.scenarios:
+            base = {"ckpt": str(ckpt), "workload": work, "budget": 2048, "dtype": dtype}
+            jobs += [
+                (f"switchyard/{dtype}", base),
+                (f"hf_generate/{dtype}", {**base, "hf_sample": opts.hf_sample}),
+                (f"hf_generate_batch/{dtype}", base),
+            ]
+        if "decode" in opts.scenarios:
+            decode_spec = {
+                "ckpt": str(ckpt),
+                "dtype": dtype,
+                "decode_batches": [1, 16, 64],
+                "decode_context": 64 if opts.quick else 256,
+                "decode_steps": 8 if opts.quick else 24,
+                "prefill_tokens": 256 if opts.quick else 2048,
+            }
+            jobs.append((f"decode/{dtype}", decode_spec))
     if "prefix" in opts.scenarios:
         plen = 128 if opts.quick else 1024
         jobs.append(
@@ -147,8 +153,8 @@ def run_engine_bench(opts: BenchOptions) -> dict:
         jobs.append(("structured", structured_spec))
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for system, spec in tqdm(jobs, desc="bench engine", unit="run"):
-            results[system] = _run_child(system, spec, Path(tmp))
+        for key, spec in tqdm(jobs, desc="bench engine", unit="run"):
+            results[key] = _run_child(key.split("/")[0], spec, Path(tmp), key)
     report = summarize(results, opts)
     json_path, md_path = write_report(opts.out_dir, "engine", report["data"], report["markdown"])
     print(report["markdown"])
@@ -162,8 +168,12 @@ def _ratio(a: dict, b: dict) -> float | None:
     return None
 
 
-def _throughput_section(results: dict[str, dict], opts: BenchOptions, data: dict) -> list[str]:
-    sy, hg, hb = (results.get(k, {}) for k in ("switchyard", "hf_generate", "hf_generate_batch"))
+def _throughput_section(
+    results: dict[str, dict], opts: BenchOptions, data: dict, dtype: str
+) -> list[str]:
+    sy, hg, hb = (
+        results.get(f"{k}/{dtype}", {}) for k in ("switchyard", "hf_generate", "hf_generate_batch")
+    )
     rows = [
         {"system": "(a) switchyard engine", **sy},
         {"system": "(b) transformers generate, one at a time", **hg},
@@ -175,23 +185,51 @@ def _throughput_section(results: dict[str, dict], opts: BenchOptions, data: dict
         ("peak_rss_mib", "peak RSS MiB"),
     ]
     speed = {"vs_generate": _ratio(sy, hg), "vs_generate_batch": _ratio(sy, hb)}
-    data["speedup"] = speed
-    return [
-        f"## Throughput: {opts.num_requests} requests, all at once\n",
+    data.setdefault("speedup", {})[dtype] = speed
+    lines = [
+        f"## Throughput ({dtype}): {opts.num_requests} requests, all at once\n",
         markdown_table(rows, cols),
         f"\nSpeed-up: {_x(speed['vs_generate'])} vs generate (target >= 12x), "
-        f"{_x(speed['vs_generate_batch'])} vs generate_batch (target >= 4x). "
+        f"{_x(speed['vs_generate_batch'])} vs generate_batch (target >= 6x), both in {dtype}. "
         f"(b) is timed on {hg.get('requests_timed', 0)} requests; its TTFT has no queueing.",
     ]
+    if "roofline_s" in sy:
+        m = sy["machine"]
+        lines.append(
+            f"\nRoofline: {sy['num_steps']} steps moving {sy['bytes_moved'] / 1e9:.1f} GB and "
+            f"computing {sy['flops'] / 1e9:.0f} GFLOP; at the measured {m['gemm_gflops']:.0f} "
+            f"GFLOP/s ({dtype} GEMM 2048^3) and {m['bandwidth_gb_s']:.1f} GB/s (copy) they need "
+            f"{sy['roofline_s']:.2f} s; measured {sy['elapsed_s']:.2f} s = "
+            f"**{sy['over_roofline']:.2f}x roofline** (target <= 1.5x)."
+        )
+    return lines
 
 
-def _decode_section(dec: dict) -> list[str]:
+def _decode_section(dec: dict, dtype: str) -> list[str]:
+    m = dec["machine"]
+    rows = [{"scenario": f"decode step, batch {p['batch']}", **p} for p in dec["decode"]]
+    pre = dec["prefill"]
+    rows.append({"scenario": f"prefill, {pre['tokens']} tokens", **pre})
+    cols = [
+        ("scenario", "scenario"),
+        ("step_ms", "measured ms"),
+        ("roofline_ms", "roofline ms"),
+        ("over_roofline", "measured / roofline"),
+        ("gflops", "GFLOP/s"),
+    ]
+    b64 = next((p for p in dec["decode"] if p["batch"] == 64), None)
+    target = (
+        f"decode at batch 64: {b64['over_roofline']:.2f}x roofline (target <= 1.3x); "
+        if b64
+        else ""
+    )
     return [
-        "\n## Decode efficiency\n",
-        f"fp32 matmul peak {dec['matmul_peak_gflops']:.1f} GFLOP/s; engine decode at batch "
-        f"{dec['decode_batch']} (context ~{dec['decode_context']}): "
-        f"{dec['decode_gflops']:.1f} GFLOP/s = {dec['decode_fraction_of_peak']:.0%} of peak "
-        f"(target >= 50%), {dec['decode_step_ms']:.1f} ms/step.",
+        f"\n## Steps against the roofline ({dtype})\n",
+        f"Measured in this run: {dtype} GEMM 2048^3 {m['gemm_gflops']:.0f} GFLOP/s, streaming "
+        f"copy {m['bandwidth_gb_s']:.1f} GB/s. Decode context ~{dec['decode_context']} tokens; "
+        "roofline = max(bytes / bandwidth, FLOPs / peak) of the step.\n",
+        markdown_table(rows, cols),
+        f"\n{target}prefill reaches {pre['fraction_of_peak']:.0%} of the GEMM peak.",
     ]
 
 
@@ -241,16 +279,21 @@ def summarize(results: dict[str, dict], opts: BenchOptions) -> dict:
             "hf_sample": opts.hf_sample,
             "quick": opts.quick,
             "model": str(opts.model_dir) if opts.model_dir else "random bench model (~32M)",
+            "dtypes": opts.dtypes,
         },
         "results": results,
     }
     ok = {k: v for k, v in results.items() if "error" not in v}
     parts = ["**Quick smoke run: these figures are not the benchmark.**\n"] if opts.quick else []
-    parts.append(f"Model: {data['options']['model']}, fp32.\n")
-    if "switchyard" in results:
-        parts += _throughput_section(results, opts, data)
-    if "decode" in ok:
-        parts += _decode_section(ok["decode"])
+    parts.append(
+        f"Model: {data['options']['model']}; throughput and roofline in "
+        f"{', '.join(opts.dtypes)}, prefix and chunked in float32.\n"
+    )
+    for dtype in opts.dtypes:
+        if f"switchyard/{dtype}" in results:
+            parts += _throughput_section(results, opts, data, dtype)
+        if f"decode/{dtype}" in ok:
+            parts += _decode_section(ok[f"decode/{dtype}"], dtype)
     if "prefix" in ok:
         parts += _prefix_section(ok["prefix"], data)
     if "chunked" in ok:

@@ -14,7 +14,18 @@ from typing import Any
 import torch
 
 from benchmarks.engine_structured import run_structured
+from benchmarks.roofline import (
+    Machine,
+    ModelShape,
+    StepCost,
+    measure_bandwidth,
+    measure_gemm_flops,
+    roofline_s,
+    step_cost,
+)
 from benchmarks.stats import latency_summary, percentile
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _peak_rss_mib() -> float:
@@ -26,6 +37,7 @@ def _engine(ckpt: str, *, num_blocks: int, budget: int, max_seqs: int, **kw: Any
     from workers.engine import LLMEngine
 
     prefix = kw.pop("enable_prefix_caching", True)
+    dtype = kw.pop("dtype", "float32")
     sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, **kw)
     # A workspace row for every sequence, whatever the model: the bench measures the design.
     cfg = EngineConfig(
@@ -33,6 +45,7 @@ def _engine(ckpt: str, *, num_blocks: int, budget: int, max_seqs: int, **kw: Any
         scheduler=sched,
         enable_prefix_caching=prefix,
         decode_workspace_gib=64.0,
+        dtype=dtype,
     )
     return LLMEngine.from_pretrained(ckpt, cfg)
 
@@ -65,13 +78,50 @@ def _timing_summary(t0: float, times: dict[str, list[float]], elapsed: float) ->
     }
 
 
+class CostMeter:
+    """Records the bytes and FLOPs of every step the engine's runner executes."""
+
+    def __init__(self, engine) -> None:
+        self.shape = ModelShape.of(engine.runner.model_config)
+        self.itemsize = engine.runner.dtype.itemsize
+        self.steps: list[StepCost] = []
+        runner = engine.runner
+        execute = runner.execute
+
+        def metered(scheduled, block_tables):
+            self.steps.append(self.cost(scheduled))
+            return execute(scheduled, block_tables)
+
+        runner.execute = metered
+
+    def cost(self, scheduled) -> StepCost:
+        decodes = [r.num_computed_tokens for r, n in scheduled if n == 1]
+        prefills = [(r.num_computed_tokens, n) for r, n in scheduled if n > 1]
+        sampled = sum(1 for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens)
+        return step_cost(self.shape, self.itemsize, decodes, prefills, sampled)
+
+
+def measure_machine(dtype: str) -> Machine:
+    return Machine(measure_gemm_flops(DTYPES[dtype]), measure_bandwidth())
+
+
+def _machine_dict(m: Machine) -> dict:
+    return {"gemm_gflops": m.gemm_flops / 1e9, "bandwidth_gb_s": m.bandwidth / 1e9}
+
+
 def run_switchyard(spec: dict) -> dict:
     work = spec["workload"]
     need = sum(len(p) + n for p, n in work)
+    dtype = spec.get("dtype", "float32")
     engine = _engine(
-        spec["ckpt"], num_blocks=need // 16 + 64, budget=spec["budget"], max_seqs=len(work)
+        spec["ckpt"],
+        num_blocks=need // 16 + 64,
+        budget=spec["budget"],
+        max_seqs=len(work),
+        dtype=dtype,
     )
     engine.generate([work[0][0][:32]], _params(4))  # warm-up
+    meter = CostMeter(engine)
     t0 = time.perf_counter()
     for i, (prompt, n) in enumerate(work):
         engine.add_request(f"r{i}", prompt_token_ids=prompt, params=_params(n))
@@ -79,6 +129,16 @@ def run_switchyard(spec: dict) -> dict:
     _drive(engine, times)
     out = _timing_summary(t0, times, time.perf_counter() - t0)
     out["num_preemptions"] = engine.scheduler.num_preemptions
+    machine = measure_machine(dtype)
+    roof = sum(roofline_s(c, machine) for c in meter.steps)
+    out.update(
+        machine=_machine_dict(machine),
+        num_steps=len(meter.steps),
+        roofline_s=roof,
+        over_roofline=out["elapsed_s"] / roof,
+        bytes_moved=sum(c.bytes for c in meter.steps),
+        flops=sum(c.flops for c in meter.steps),
+    )
     return out
 
 
@@ -99,16 +159,16 @@ class _Stamps:
         pass
 
 
-def _hf_model(ckpt: str, attn: str = "sdpa"):
+def _hf_model(ckpt: str, dtype: str = "float32", attn: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(
-        ckpt, dtype=torch.float32, attn_implementation=attn
+        ckpt, dtype=DTYPES[dtype], attn_implementation=attn
     ).eval()
 
 
 def run_hf_generate(spec: dict) -> dict:
-    model = _hf_model(spec["ckpt"])
+    model = _hf_model(spec["ckpt"], spec.get("dtype", "float32"))
     sample = spec["workload"][: spec["hf_sample"]]
     kw = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None}
     with torch.inference_mode():
@@ -137,7 +197,7 @@ def run_hf_generate_batch(spec: dict) -> dict:
     from transformers import GenerationConfig
     from transformers.generation.continuous_batching.continuous_api import WorkloadHints
 
-    model = _hf_model(spec["ckpt"])
+    model = _hf_model(spec["ckpt"], spec.get("dtype", "float32"))
     work = spec["workload"]
     gen = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in work), eos_token_id=-1)
     hints = WorkloadHints(
@@ -174,55 +234,86 @@ def run_hf_generate_batch(spec: dict) -> dict:
     return out
 
 
-def run_matmul_and_decode(spec: dict) -> dict:
-    """This machine's fp32 matmul peak, and the engine's decode FLOP/s at batch 64."""
-    best = 0.0
-    for size in (1024, 2048):
-        a, b = torch.randn(size, size), torch.randn(size, size)
-        for _ in range(6):
-            t = time.perf_counter()
-            torch.mm(a, b)
-            best = max(best, 2 * size**3 / (time.perf_counter() - t))
-    batch, prompt_len, steps = spec["decode_batch"], spec["decode_context"], spec["decode_steps"]
+def _decode_point(spec: dict, batch: int, machine: Machine) -> dict:
+    """Median decode step at `batch` sequences of ~`decode_context` tokens, vs its roofline."""
+    ctx, steps, dtype = spec["decode_context"], spec["decode_steps"], spec["dtype"]
     engine = _engine(
         spec["ckpt"],
-        num_blocks=batch * (prompt_len + steps + 8) // 16 + 64,
+        num_blocks=batch * (ctx + steps + 8) // 16 + 64,
         budget=4096,
         max_seqs=batch,
+        dtype=dtype,
     )
     gen = torch.Generator().manual_seed(7)
     vocab = engine.runner.model_config.vocab_size
     for i in range(batch):
-        prompt = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
-        engine.add_request(f"d{i}", prompt_token_ids=prompt, params=_params(steps + 2))
+        prompt = torch.randint(3, vocab, (ctx,), generator=gen).tolist()
+        engine.add_request(f"d{i}", prompt_token_ids=prompt, params=_params(steps + 4))
     while engine.scheduler.num_running < batch or any(
         r.num_output_tokens == 0 for r in engine.scheduler.running
     ):
         engine.step()
-    cfg = engine.runner.model_config
-    d, hd = cfg.hidden_size, cfg.head_dim
-    per_layer = (
-        d * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
-        + cfg.num_heads * hd * d
-        + 3 * d * cfg.intermediate_size
-    )
-    matmul_flops_per_token = 2 * (cfg.num_layers * per_layer + cfg.vocab_size * d)
-    flops, elapsed = 0.0, 0.0
+    engine.step()  # warm
+    meter = CostMeter(engine)
+    times = []
     for _ in range(steps):
-        ctx = sum(r.num_tokens for r in engine.scheduler.running)
         t = time.perf_counter()
         engine.step()
-        elapsed += time.perf_counter() - t
-        attn = 4 * ctx * cfg.num_heads * hd * cfg.num_layers
-        flops += batch * matmul_flops_per_token + attn
-    decode = flops / elapsed
+        times.append(time.perf_counter() - t)
+    ratios = sorted(t / roofline_s(c, machine) for t, c in zip(times, meter.steps, strict=True))
+    mid = meter.steps[len(meter.steps) // 2]
     return {
-        "matmul_peak_gflops": best / 1e9,
-        "decode_gflops": decode / 1e9,
-        "decode_fraction_of_peak": decode / best,
-        "decode_batch": batch,
-        "decode_context": prompt_len,
-        "decode_step_ms": elapsed / steps * 1e3,
+        "batch": batch,
+        "step_ms": percentile(times, 50) * 1e3,
+        "roofline_ms": roofline_s(mid, machine) * 1e3,
+        "over_roofline": percentile(ratios, 50),
+        "gflops": mid.flops / percentile(times, 50) / 1e9,
+        "gb_s": mid.bytes / percentile(times, 50) / 1e9,
+    }
+
+
+def _prefill_point(spec: dict, machine: Machine) -> dict:
+    """One prompt of `prefill_tokens` prefilled in one step: achieved FLOP/s vs the peak."""
+    n, dtype = spec["prefill_tokens"], spec["dtype"]
+    engine = _engine(
+        spec["ckpt"],
+        num_blocks=n // 16 + 64,
+        budget=n,
+        max_seqs=4,
+        dtype=dtype,
+        enable_prefix_caching=False,
+    )
+    meter = CostMeter(engine)
+    gen = torch.Generator().manual_seed(11)
+    prompt = torch.randint(3, engine.runner.model_config.vocab_size, (n,), generator=gen).tolist()
+    times = []
+    for i in range(3):
+        engine.add_request(f"p{i}", prompt_token_ids=prompt, params=_params(1))
+        t = time.perf_counter()
+        engine.step()  # the whole prompt, and its first token
+        times.append(time.perf_counter() - t)
+        while engine.has_unfinished_requests():
+            engine.step()
+    cost = meter.steps[0]
+    best = min(times[1:])  # the first pays for one-time allocations
+    return {
+        "tokens": n,
+        "step_ms": best * 1e3,
+        "roofline_ms": roofline_s(cost, machine) * 1e3,
+        "over_roofline": best / roofline_s(cost, machine),
+        "gflops": cost.flops / best / 1e9,
+        "fraction_of_peak": cost.flops / best / machine.gemm_flops,
+    }
+
+
+def run_decode(spec: dict) -> dict:
+    """Decode steps at several batch sizes and a long prefill, each against its roofline."""
+    machine = measure_machine(spec["dtype"])
+    return {
+        "machine": _machine_dict(machine),
+        "decode_context": spec["decode_context"],
+        "decode": [_decode_point(spec, b, machine) for b in spec["decode_batches"]],
+        "prefill": _prefill_point(spec, machine),
     }
 
 
@@ -327,7 +418,7 @@ SYSTEMS = {
     "switchyard": run_switchyard,
     "hf_generate": run_hf_generate,
     "hf_generate_batch": run_hf_generate_batch,
-    "decode": run_matmul_and_decode,
+    "decode": run_decode,
     "prefix": run_prefix,
     "chunked": run_chunked,
     "structured": run_structured,

@@ -219,6 +219,20 @@ def _admin_request(args: argparse.Namespace, url: str, key: str) -> int:
 
 
 def _cmd_bench_engine(args: argparse.Namespace) -> int:
+    if args.tensor_parallel is not None:
+        from benchmarks.engine_tp import TPBenchOptions, run_tp_bench
+
+        run_tp_bench(
+            TPBenchOptions(
+                out_dir=Path(args.out),
+                tensor_parallel=args.tensor_parallel,
+                num_requests=args.num_requests,
+                quick=args.quick,
+                device=args.device,
+                model_dir=Path(args.model) if args.model else None,
+            )
+        )
+        return 0
     from benchmarks.engine_bench import BenchOptions, run_engine_bench
 
     opts = BenchOptions(
@@ -228,6 +242,7 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
         quick=args.quick,
         scenarios=args.scenarios.split(","),
         model_dir=Path(args.model) if args.model else None,
+        dtypes=args.dtypes.split(","),
     )
     run_engine_bench(opts)
     return 0
@@ -387,6 +402,19 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument(
         "--model", default=None, help="a local checkpoint dir (default: a random ~32M Llama)"
     )
+    be.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help="comma list: throughput and roofline run once per dtype, beside transformers",
+    )
+    be.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=None,
+        metavar="N",
+        help="instead of the scenarios: the engine over N ranks beside N = 1 (engine-tp report)",
+    )
+    be.add_argument("--device", default="cpu", help="with --tensor-parallel: cpu or cuda")
     be.set_defaults(func=_cmd_bench_engine)
     bw = bench.add_parser("worker", help="worker over HTTP (streaming) vs the in-process engine")
     bw.add_argument("--out", default="bench-results", help="where JSON and markdown go")
