@@ -2,6 +2,7 @@
 
 import logging
 import random
+import signal
 import sys
 from pathlib import Path
 
@@ -150,6 +151,12 @@ def serve_gateway(config: GatewayConfig, host: str, port: int) -> None:
         port,
         {k: len(v) for k, v in config.pools.items()},
     )
+    # uvicorn handles SIGINT/SIGTERM, shuts down, then re-raises the signal to the handler
+    # that was there before it. Ours only notes it, so the embedded Redis is stopped here
+    # (not orphaned) and Ctrl-C prints no traceback.
+    received: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: received.append(signum))
     try:
         server_cfg = server_config(
             app,
@@ -163,3 +170,5 @@ def serve_gateway(config: GatewayConfig, host: str, port: int) -> None:
     finally:
         if embedded is not None:
             embedded.close()
+    if received:
+        log.info("gateway stopped (%s)", signal.Signals(received[0]).name)
