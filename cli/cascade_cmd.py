@@ -147,7 +147,19 @@ def _promote(args: argparse.Namespace, artifact: Path) -> int:
 
 
 def _cmd_promote(args: argparse.Namespace) -> int:
-    return _promote(args, Path(args.artifact))
+    if args.version is None:
+        return _promote(args, Path(args.artifact))
+    import json
+
+    import httpx
+
+    url, headers = _admin(args)
+    body = {"version": args.version, "force": args.force}
+    r = httpx.put(
+        f"{url}/admin/routing/classifiers/{args.tenant}", json=body, headers=headers, timeout=120
+    )
+    print(json.dumps(r.json(), indent=2))
+    return 0 if r.status_code == 200 else 3
 
 
 def _cmd_rollback(args: argparse.Namespace) -> int:
@@ -398,7 +410,9 @@ def add_cascade_parser(subparsers: argparse._SubParsersAction) -> None:
 
     pr = sub.add_parser("promote", help="upload a tenant's classifier; checked on held-out labels")
     gateway_args(pr)
-    pr.add_argument("--artifact", required=True, help="artifact directory")
+    what = pr.add_mutually_exclusive_group(required=True)
+    what.add_argument("--artifact", help="artifact directory to upload")
+    what.add_argument("--version", type=int, help="a version stored before (roll forward/back)")
     pr.add_argument("--force", action="store_true", help="skip the held-out check (audited)")
     pr.set_defaults(func=_cmd_promote)
 
