@@ -41,6 +41,7 @@ class Flight:
         self.reservation = reservation
         self.attempts: list[Attempt] = []
         self.finished = False
+        self.started_at = time.monotonic()
         self.client_deadline = False  # the deadline is the client's (x-request-timeout)
         self.abort_error: Exception | None = None  # why the gateway cut this request short
         self.aborted = asyncio.Event()

@@ -37,6 +37,7 @@ class Pool:
         self._finished: deque[float] = deque(maxlen=512)  # when requests finished, for rates
         self._arrivals: deque[float] = deque(maxlen=4096)  # when requests were offered
         self._service: deque[tuple[float, float]] = deque(maxlen=512)  # (finished, held s)
+        self._ttfts: deque[tuple[float, float]] = deque(maxlen=512)  # (when, TTFT s)
         self.controller = AdmissionController(self.queue, self.has_room, clock)
         self._reported: dict[str, str] = {}
         self._lost: dict[str, asyncio.Event] = {}
@@ -80,6 +81,19 @@ class Pool:
         held = [s for t, s in self._service if now - t <= window_s]
         held = held or [s for _, s in list(self._service)[-32:]]
         return arrivals / window_s, (sum(held) / len(held) if held else None)
+
+    def record_ttft(self, seconds: float) -> None:
+        """A stream's first token reached its client `seconds` after arrival."""
+        self._ttfts.append((self.clock(), seconds))
+
+    def ttft_p90_s(self, window_s: float = 10.0) -> float | None:
+        """The 90th percentile of streams' time to first token over the last `window_s`
+        (arrival to first token, queue included); None without a stream in the window."""
+        now = self.clock()
+        recent = sorted(s for t, s in self._ttfts if now - t <= window_s)
+        if not recent:
+            return None
+        return recent[min(len(recent) - 1, int(0.9 * len(recent)))]
 
     def has_room(self) -> bool:
         return any(has_room(v) for v in self.views.values())

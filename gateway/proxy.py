@@ -231,6 +231,7 @@ async def _events_after(gw: Gateway, flight: Flight, attempt: Attempt, opening: 
 
 async def _relay_events(gw: Gateway, flight: Flight, attempt: Attempt, upstream: httpx.Response):
     plan = flight.plan
+    first = True
     try:
         async for event in relay(
             upstream,
@@ -240,6 +241,9 @@ async def _relay_events(gw: Gateway, flight: Flight, attempt: Attempt, upstream:
             gw.config.stream_idle_timeout_s,
         ):
             yield event
+            if first and attempt.served.tokens_relayed:
+                first = False
+                attempt.lease.pool.record_ttft(time.monotonic() - flight.started_at)
     except StreamAborted:
         yield _usage_event(flight, attempt) + _error_event(to_api_error(flight.abort_error, gw.rng))
     except (httpx.HTTPError, StreamTimeout) as exc:

@@ -51,7 +51,7 @@ def pool_signals(
         estimated_wait_s=None if math.isinf(wait) else wait,
         arrivals_per_s=arrivals,
         mean_service_s=service_s,
-        ttft_p90_s=None,  # not measured per pool yet: never scales down on it
+        ttft_p90_s=pool.ttft_p90_s(window_s),  # streams only; None: none in the window
     )
 
 
