@@ -71,6 +71,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal a worker and every process it started (the ranks of a shard group): each
+    worker leads its own process group (`_die_with_parent` calls setsid)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        if proc.poll() is None:
+            proc.send_signal(sig)
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
     """Linux: the worker gets SIGTERM if the supervisor dies without stopping it."""
     os.setsid()  # a terminal's Ctrl-C reaches the supervisor, which drains first
@@ -247,8 +257,8 @@ class LocalSupervisor:
     def _crashed(self, replica: Replica, why: str, now: float) -> None:
         """Kill what is left, leave the rotation, restart after a backoff."""
         url, proc = replica.url, replica.proc
-        if proc is not None and proc.poll() is None:
-            proc.kill()
+        if proc is not None:  # the whole shard group, even when rank 0 is gone already
+            kill_group(proc)
         if proc is not None:
             self.membership.remove(replica.pool, url, lost=True)
         replica.proc = None
@@ -312,7 +322,7 @@ class LocalSupervisor:
         while proc.poll() is None and self.clock() < deadline:
             await asyncio.sleep(0.1)
         if proc.poll() is None:
-            proc.kill()
+            kill_group(proc)
             proc.wait()
 
     async def _send_drain(self, replica: Replica) -> None:
@@ -344,7 +354,7 @@ class LocalSupervisor:
         for proc in procs:
             if proc.poll() is None:
                 log.warning("worker pid %d did not stop in time; killing it", proc.pid)
-                proc.kill()
+                kill_group(proc)
                 proc.wait()
         for task in list(self._tasks):
             task.cancel()
@@ -353,8 +363,8 @@ class LocalSupervisor:
     def kill_all_now(self) -> None:
         """Last resort on the way out (an exception, a second Ctrl-C)."""
         for r in self.replicas.values():
-            if r.proc is not None and r.proc.poll() is None:
-                r.proc.kill()
+            if r.proc is not None:
+                kill_group(r.proc)
 
 
 def _last_line(path: Path | None) -> str:

@@ -27,6 +27,9 @@ class PoolSection:
     model_dir: str | None = None  # a local checkpoint directory instead of `model`
     min_replicas: int = 1
     max_replicas: int = 2
+    # Each replica is a shard group of this many ranks (one process per device), started,
+    # drained and restarted as one unit; the autoscaler counts the group as one replica.
+    tensor_parallel: int = 1
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
     worker: dict[str, Any] = field(default_factory=dict)  # WorkerConfig fields
     autoscaler: dict[str, Any] = field(default_factory=dict)  # AutoscalerConfig fields
@@ -119,6 +122,8 @@ def check(cfg: ServeConfig, where: str) -> None:
     """Fail at start-up, naming the key, rather than in a worker process later."""
     for name, pool in cfg.pools.items():
         at = f"{where}: pools.{name}"
+        if not isinstance(pool.tensor_parallel, int) or pool.tensor_parallel < 1:
+            raise SystemExit(f"{at}.tensor_parallel must be a whole number >= 1")
         fill(EngineConfig, pool.engine, f"{at}.engine")
         fill(WorkerConfig, pool.worker, f"{at}.worker")
         scaler_keys = {f.name for f in fields(AutoscalerConfig)} - {"min_replicas", "max_replicas"}

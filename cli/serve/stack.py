@@ -97,6 +97,14 @@ def ensure_models(cfg: ServeConfig, data_dir: Path) -> dict[str, Path]:
             except ModelFetchError as exc:
                 raise StartupError(f"pools.{name}.model: {exc}") from None
             path = fetched.path
+        if pool.tensor_parallel != 1:
+            from workers.model_config import load_model_config
+            from workers.tp.plan import ShardingError, check_shardable
+
+            try:
+                check_shardable(load_model_config(path), pool.tensor_parallel)
+            except ShardingError as exc:
+                raise StartupError(f"pools.{name}.tensor_parallel: {exc}") from None
         dirs[name] = path
     return dirs
 
@@ -107,7 +115,8 @@ def worker_launches(
     """How each pool's workers start: `python -m cli worker` with a per-pool YAML."""
     run_dir.mkdir(parents=True, exist_ok=True)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    warm = max(sum(p.min_replicas for p in cfg.pools.values()), 1)
+    # Processes, not replicas: a replica of a sharded pool is `tensor_parallel` ranks.
+    warm = max(sum(p.min_replicas * p.tensor_parallel for p in cfg.pools.values()), 1)
     launches = {}
     for name, pool in cfg.pools.items():
         engine = dict(pool.engine)
@@ -119,7 +128,11 @@ def worker_launches(
         argv_head = [sys.executable, "-m", "cli", "--log-level", opts.log_level]
         argv_head += ["--log-format", opts.log_format, "worker"]
 
-        def argv(port: int, _name=name, _yaml=worker_yaml, _head=argv_head) -> list[str]:
+        shard = ["--tensor-parallel", str(pool.tensor_parallel)] if pool.tensor_parallel > 1 else []
+
+        def argv(
+            port: int, _name=name, _yaml=worker_yaml, _head=argv_head, _shard=shard
+        ) -> list[str]:
             return [
                 *_head,
                 "--model",
@@ -132,6 +145,7 @@ def worker_launches(
                 str(_yaml),
                 "--served-model-name",
                 _name,
+                *_shard,
             ]
 
         launches[name] = PoolLaunch(

@@ -91,3 +91,29 @@ def test_the_admin_key_is_generated_once_private_and_found_for_the_local_url(
     write_pointer(tmp_path / "cache", "http://127.0.0.1:8000", tmp_path / "data", path)
     assert local_admin_key(tmp_path / "cache", "http://127.0.0.1:8000/") == key
     assert local_admin_key(tmp_path / "cache", "http://10.0.0.1:8000") is None
+
+
+def test_a_sharded_pool_starts_each_replica_as_a_group_and_refuses_unsplittable_models(
+    tmp_path: Path, llama_dir: Path
+) -> None:
+    from cli.serve.stack import RunOptions, ensure_models, worker_launches
+
+    path = tmp_path / "serve.yaml"
+    pools = {
+        "big": {"model_dir": str(llama_dir), "tensor_parallel": 2, "min_replicas": 1},
+        "small": {"model_dir": str(llama_dir), "min_replicas": 1},
+    }
+    path.write_text(yaml.safe_dump({"pools": pools, "cascade": {"enabled": False}}))
+    cfg = load_serve_config(path)
+    dirs = ensure_models(cfg, tmp_path)
+    launches = worker_launches(cfg, dirs, tmp_path / "run", RunOptions(path))
+    big, small = launches["big"].argv(9000), launches["small"].argv(9001)
+    assert big[big.index("--tensor-parallel") + 1] == "2"
+    assert "--tensor-parallel" not in small
+    # llama_dir has 4 attention heads and 2 KV heads: 4 ranks cannot hold them.
+    cfg.pools["big"].tensor_parallel = 4
+    with pytest.raises(StartupError, match=r"pools\.big\.tensor_parallel: .*2 KV heads"):
+        ensure_models(cfg, tmp_path)
+    path.write_text(yaml.safe_dump({"pools": {"x": {"tensor_parallel": 0}}}))
+    with pytest.raises(SystemExit, match="tensor_parallel must be"):
+        load_serve_config(path)

@@ -146,3 +146,52 @@ def test_draining_a_starting_replica_cancels_it_and_stop_leaves_no_process(
         assert proc_a.wait(5) is not None and proc_b.poll() is not None
 
     asyncio.run(scenario())
+
+
+# A worker that starts one more process, as rank 0 of a shard group starts the other ranks.
+GROUP_LEADER = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+open(sys.argv[1], "w").write(str(child.pid))
+time.sleep(60)
+"""
+
+
+def test_a_stalled_shard_group_is_restarted_whole_with_none_of_its_ranks_left(
+    tmp_path: Path,
+) -> None:
+    import psutil
+
+    pid_file = tmp_path / "rank1.pid"
+
+    async def scenario() -> None:
+        sup, client, members, clock = make(tmp_path)
+        sup.pools["small"].argv = lambda port: [sys.executable, "-c", GROUP_LEADER, str(pid_file)]
+        rid = sup.start_replica("small")
+        replica = sup.replicas[rid]
+        for _ in range(100):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            await asyncio.sleep(0.05)
+        rank1 = int(pid_file.read_text())
+        client.states[replica.url] = "ready"
+        await sup.tick()
+        client.states[replica.url] = "stalled"
+        await sup.tick()
+        clock.now += sup.config.stall_restart_s + 1
+        leader = replica.proc
+        await sup.tick()
+        assert replica.proc is None and replica.num_crashes == 1
+        leader.wait(5)
+        for _ in range(100):  # the other rank got SIGKILL with its group
+            try:
+                if psutil.Process(rank1).status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the other rank outlived its group's restart")
+        await sup.stop()
+
+    asyncio.run(scenario())
