@@ -122,3 +122,13 @@ def test_a_model_whose_heads_do_not_divide_is_refused_before_anything_starts(lla
     err = capsys.readouterr().err
     assert "cannot shard this model over tensor_parallel=3" in err
     assert "4 attention heads" in err and "2 KV heads" in err
+
+
+def test_a_drained_sharded_worker_exits_0_and_stops_its_other_ranks(worker):
+    complete(worker.url, "Hello")
+    (rank1,) = worker.ranks
+    r = httpx.post(f"{worker.url}/drain", json={"exit_when_empty": True})
+    assert r.status_code == 200, r.text
+    assert worker.proc.wait(30) == 0
+    rank1.wait(10)  # not our child: no status to read, but its log line says how it ended
+    assert "rank 1: stopped by rank 0" in worker.log.read_text()
