@@ -324,3 +324,46 @@ def should_escalate(token_logprobs: Sequence[float], settings: EscalationSetting
         return False
     mean, lowest = answer_confidence(token_logprobs)
     return mean < settings.min_mean_logprob or lowest < settings.min_token_logprob
+
+
+_MAP_FIELDS = (
+    "tenant_thresholds",
+    "key_thresholds",
+    "tenant_target_fractions",
+    "escalation",
+    "learning",
+)
+
+
+def merge_settings(current: dict, patch: dict) -> dict:
+    """`PATCH /admin/routing`: `patch` over `current` (both plain dicts). A field left out is
+    left alone; `null` resets a field to its default (`default_target_fraction`: none). The
+    per-tenant and per-key maps merge by entry (`null` removes an entry); an escalation or
+    learning entry merges by field. `version` is not patchable. Validate the result with
+    `settings_from_dict`; raises `InvalidRouting` for a patch that is not an object."""
+    if not isinstance(patch, dict):
+        raise InvalidRouting("routing settings must be an object", "routing")
+    defaults = settings_to_dict(RoutingSettings())
+    out = {k: v for k, v in current.items() if k != "version"}
+    for name, value in patch.items():
+        if name == "version":
+            continue
+        if value is None:
+            out[name] = None if name == "default_target_fraction" else defaults.get(name)
+            if name not in defaults:
+                out[name] = value  # unknown: left for settings_from_dict to refuse
+        elif name in _MAP_FIELDS and isinstance(value, dict):
+            table = dict(out.get(name) or {})
+            for entry, v in value.items():
+                if v is None:
+                    table.pop(entry, None)
+                elif isinstance(v, dict) and isinstance(table.get(entry), dict):
+                    table[entry] = {**table[entry], **v}
+                else:
+                    table[entry] = v
+            out[name] = table
+        else:
+            out[name] = value
+    if "default_threshold" in patch and "default_target_fraction" not in patch:
+        out["default_target_fraction"] = None  # an explicit threshold is meant to apply
+    return out

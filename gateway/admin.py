@@ -8,13 +8,11 @@ import msgspec
 from litestar import Request, Router, delete, get, patch, post, put
 from litestar.params import FromPath
 
-from cascade.policy import InvalidRouting, settings_to_dict
+from cascade.policy import InvalidRouting, merge_settings, settings_to_dict
+from gateway.admin_docs import TENANT_FIELDS, check_fields, new_tenant, tenant_patch
 from gateway.context import Gateway
 from quota.errors import TenantNotFound
-from quota.models import TenantLimits
 from workers.api import ApiError, check_json_depth
-
-_LIMIT_FIELDS = set(TenantLimits.__dataclass_fields__)
 
 
 def _require_admin(gw: Gateway, request: Request) -> None:
@@ -43,27 +41,6 @@ async def _json_object(request: Request) -> dict[str, Any]:
     return body
 
 
-def _limits(raw: Any) -> TenantLimits:
-    if raw is None:
-        return TenantLimits()
-    if not isinstance(raw, dict) or set(raw) - _LIMIT_FIELDS:
-        raise ApiError(
-            400, f"limits must be an object with keys from {sorted(_LIMIT_FIELDS)}", param="limits"
-        )
-    for k, v in raw.items():
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-            raise ApiError(400, f"limits.{k} must be an integer or null", param=f"limits.{k}")
-    return TenantLimits(**raw)
-
-
-def _models(raw: Any) -> list[str]:
-    if raw is None:
-        return []
-    if not isinstance(raw, list) or not all(isinstance(m, str) for m in raw):
-        raise ApiError(400, "allowed_models must be a list of pool names", param="allowed_models")
-    return raw
-
-
 def _router(gw: Gateway):
     if gw.router is None:
         raise ApiError(
@@ -82,16 +59,8 @@ def admin_router(gw: Gateway) -> Router:
         tenant_id = body.get("tenant_id")
         if not isinstance(tenant_id, str):
             raise ApiError(400, "tenant_id is required", param="tenant_id")
-        overflow = body.get("allow_overflow", True)
-        if not isinstance(overflow, bool):
-            raise ApiError(400, "allow_overflow must be a boolean", param="allow_overflow")
-        tenant = await gw.store.create_tenant(
-            tenant_id,
-            str(body.get("name") or tenant_id),
-            _limits(body.get("limits")),
-            _models(body.get("allowed_models")),
-            overflow,
-        )
+        check_fields(body, ("tenant_id", *TENANT_FIELDS))
+        tenant = await gw.store.create_tenant(tenant_id, **new_tenant(tenant_id, body, gw.pools))
         return asdict(tenant)
 
     @get("/tenants")
@@ -109,18 +78,23 @@ def admin_router(gw: Gateway) -> Router:
 
     @patch("/tenants/{tenant_id:str}")
     async def update_tenant(request: Request, tenant_id: FromPath[str]) -> dict[str, Any]:
+        """Merge: fields left out are left alone, `null` clears; `limits` merges per limit."""
         _require_admin(gw, request)
         body = await _json_object(request)
-        changes: dict[str, Any] = {}
-        if "name" in body:
-            changes["name"] = str(body["name"])
-        if "limits" in body:
-            changes["limits"] = _limits(body["limits"])
-        if "allowed_models" in body:
-            changes["allowed_models"] = _models(body["allowed_models"])
-        if "allow_overflow" in body:
-            changes["allow_overflow"] = bool(body["allow_overflow"])
+        current = await gw.store.get_tenant(tenant_id)
+        if current is None:
+            raise TenantNotFound(tenant_id)
+        changes = tenant_patch(current, body, gw.pools)
         return asdict(await gw.store.update_tenant(tenant_id, **changes))
+
+    @put("/tenants/{tenant_id:str}", status_code=200)
+    async def replace_tenant(request: Request, tenant_id: FromPath[str]) -> dict[str, Any]:
+        """Replace the whole document: fields left out take their defaults."""
+        _require_admin(gw, request)
+        body = await _json_object(request)
+        check_fields(body, TENANT_FIELDS)
+        whole = new_tenant(tenant_id, body, gw.pools)
+        return asdict(await gw.store.update_tenant(tenant_id, **whole))
 
     @delete("/tenants/{tenant_id:str}", status_code=200)
     async def delete_tenant(request: Request, tenant_id: FromPath[str]) -> dict[str, Any]:
@@ -136,13 +110,18 @@ def admin_router(gw: Gateway) -> Router:
         expires = body.get("expires_at")
         if expires is not None and not isinstance(expires, int | float):
             raise ApiError(400, "expires_at must be a unix time in seconds", param="expires_at")
-        issued = await gw.store.create_key(tenant_id, body.get("name"), expires)
+        name = body.get("name")
+        if name is not None and not isinstance(name, str):
+            raise ApiError(400, "name must be a string", param="name")
+        issued = await gw.store.create_key(tenant_id, name, expires)
         return {**asdict(issued.record), "key": issued.plaintext}
 
     @get("/tenants/{tenant_id:str}/keys")
     async def list_keys(request: Request, tenant_id: FromPath[str]) -> dict[str, Any]:
         _require_admin(gw, request)
-        return {"data": [asdict(k) for k in await gw.store.list_keys(tenant_id)]}
+        keys = await gw.store.list_keys(tenant_id)
+        used = await gw.usage.key_last_used(tenant_id) if gw.usage is not None else {}
+        return {"data": [{**asdict(k), "last_used_at": used.get(k.key_id)} for k in keys]}
 
     @delete("/keys/{key_id:str}", status_code=200)
     async def revoke_key(request: Request, key_id: FromPath[str]) -> dict[str, Any]:
@@ -150,12 +129,6 @@ def admin_router(gw: Gateway) -> Router:
         if not await gw.store.revoke_key(key_id):
             raise ApiError(404, f"unknown key {key_id!r}", param="key_id", code="key_not_found")
         return {"revoked": key_id}
-
-    @get("/usage")
-    async def usage(request: Request) -> dict[str, Any]:
-        _require_admin(gw, request)
-        tenants = await gw.store.list_tenants()
-        return {"data": {t.tenant_id: await gw.limiter.usage(t.tenant_id) for t in tenants}}
 
     @get("/fleet")
     async def fleet(request: Request) -> dict[str, Any]:
@@ -178,12 +151,24 @@ def admin_router(gw: Gateway) -> Router:
 
     @put("/routing", status_code=200)
     async def put_routing(request: Request) -> dict[str, Any]:
+        """Replace the whole settings document: fields left out take their defaults."""
+        return await _store_routing(request, merge=False)
+
+    @patch("/routing", status_code=200)
+    async def patch_routing(request: Request) -> dict[str, Any]:
+        """Merge into the current settings (`cascade.policy.merge_settings`)."""
+        return await _store_routing(request, merge=True)
+
+    async def _store_routing(request: Request, merge: bool) -> dict[str, Any]:
         _require_admin(gw, request)
         router = _router(gw)
         body = await _json_object(request)
         known = {t.tenant_id for t in await gw.store.list_tenants()}
         who = request.headers.get("x-admin-user", "admin")
         try:
+            if merge:
+                current = settings_to_dict(await router.refresh(force=True))
+                body = merge_settings(current, body)
             new = await router.update(body, known, who)
         except InvalidRouting as exc:
             raise ApiError(400, str(exc), param=exc.param, code="invalid_routing") from None
@@ -201,14 +186,15 @@ def admin_router(gw: Gateway) -> Router:
             list_tenants,
             get_tenant,
             update_tenant,
+            replace_tenant,
             delete_tenant,
             create_key,
             list_keys,
             revoke_key,
-            usage,
             fleet,
             get_routing,
             put_routing,
+            patch_routing,
             routing_audit,
         ],
     )

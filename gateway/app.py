@@ -15,6 +15,7 @@ from gateway.errors import exception_handlers
 from gateway.intake import authenticate
 from gateway.learning_api import learning_routes
 from gateway.proxy import handle
+from gateway.usage_api import usage_routes
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +37,6 @@ def create_gateway_app(gw: Gateway) -> Litestar:
             names.append("auto")
         data = [{"id": n, "object": "model", "created": 0, "owned_by": "switchyard"} for n in names]
         return {"object": "list", "data": data}
-
-    @get("/v1/usage")
-    async def usage(request: Request) -> dict[str, Any]:
-        tenant = await authenticate(gw, request)
-        return {"tenant_id": tenant.tenant_id, **(await gw.limiter.usage(tenant.tenant_id))}
 
     @get("/health")
     async def health() -> dict[str, str]:
@@ -83,7 +79,7 @@ def create_gateway_app(gw: Gateway) -> Litestar:
             chat_completions,
             completions,
             models,
-            usage,
+            *usage_routes(gw),
             health,
             ready,
             metrics,

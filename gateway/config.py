@@ -48,6 +48,14 @@ class GatewayConfig:
     # Redis unreachable: per limit class "open" (serve unchecked) or "closed" (503).
     quota_heartbeat_ttl_s: float = 5.0  # a gateway silent this long is dead: its slots freed
     quota_sweep_interval_s: float = 1.0  # journal replay and dead-gateway sweeps
+    # Usage history (quota/usage.py): hourly buckets, daily buckets, recent-request log lines.
+    usage_hour_retention_s: int = 8 * 86_400
+    usage_day_retention_s: int = 400 * 86_400
+    usage_recent_max: int = 200
+    # Metrics: tenants that always get their own `tenant` label; up to the cap more, first
+    # come; the rest are `other` (bounded label cardinality).
+    metrics_tenants: list[str] = field(default_factory=list)
+    metrics_tenant_cap: int = 20
     fail_tokens: str = "open"
     fail_requests: str = "open"
     fail_concurrency: str = "open"

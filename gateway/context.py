@@ -4,6 +4,7 @@ import asyncio
 import hashlib
 import logging
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from gateway.tokens import PromptCounter
 from quota.limiter import QuotaLimiter, Reservation
 from quota.store import TenantStore
 from quota.sweeper import QuotaMaintenance
+from quota.usage import UsageReader, usage_record
 from workers.api import ApiError, WorkerClient
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,7 @@ class Gateway:
     rng: random.Random = field(default_factory=random.Random)
     metrics: "GatewayMetrics | None" = None
     router: "Router | None" = None  # the cascade, for `model: auto`
+    usage: "UsageReader | None" = None  # usage history (None: only the current windows)
     learner: Any = None  # gateway.shadow.Learner: labels from traffic (None: not collected)
     # Per pool, what a fleet supervisor in this process knows (replicas, the autoscaler's
     # last decision), merged into GET /admin/fleet; None: the pools are static URL lists.
@@ -58,14 +61,52 @@ class Gateway:
         task.add_done_callback(self._background.discard)
         return task
 
-    def reconcile_later(self, reservation: Reservation, actual_tokens: int) -> None:
-        """Reconcile outside the request's (possibly cancelled) task, exactly once."""
-        self.spawn(self._reconcile(reservation, actual_tokens))
+    def reconcile_later(
+        self, reservation: Reservation, actual_tokens: int, flight: Any = None
+    ) -> None:
+        """Reconcile outside the request's (possibly cancelled) task, exactly once.
+        `flight` (a `gateway.flight.Flight`): its outcome is recorded as usage (in the same
+        Redis call) and counted in the metrics; it is read when the task runs, after the
+        handler that finished it has set the response status."""
+        self.spawn(self._reconcile(reservation, actual_tokens, flight))
 
-    async def _reconcile(self, reservation: Reservation, actual_tokens: int) -> None:
+    async def _reconcile(self, reservation: Reservation, actual_tokens: int, flight: Any) -> None:
+        usage = None
         try:
-            await self.limiter.reconcile(reservation, actual_tokens)
+            if flight is not None:
+                outcome = flight.outcome()
+                if self.metrics is not None:
+                    self.metrics.observe_outcome(reservation.tenant_id, outcome)
+                for part in outcome.parts:
+                    if part.model in self.pools:
+                        self.pools[part.model].record_tokens(part.completion_tokens)
+                usage = usage_record(
+                    request_id=reservation.request_id,
+                    key_id=flight.key_id,
+                    model=outcome.model,
+                    route=outcome.route,
+                    status=outcome.status,
+                    latency_ms=outcome.latency_ms,
+                    parts=outcome.parts,
+                    finished_at_s=time.time(),
+                )
         except Exception:
+            log.exception("usage of %s not recorded", reservation.request_id)
+        try:
+            t0 = time.perf_counter()
+            try:
+                await self.limiter.reconcile(reservation, actual_tokens, usage)
+            except Exception:
+                if usage is None:
+                    raise
+                # A usage record the script refuses must not cost the settlement itself.
+                log.exception("usage of %s refused; settling without it", reservation.request_id)
+                await self.limiter.reconcile(reservation, actual_tokens)
+            if self.metrics is not None:
+                self.metrics.redis_latency.labels("reconcile").observe(time.perf_counter() - t0)
+        except Exception:
+            if self.metrics is not None:
+                self.metrics.redis_errors.labels("reconcile").inc()
             log.exception("reconcile failed for %s", reservation.request_id)
 
     def abort_flights(self) -> int:

@@ -21,8 +21,20 @@ from gateway.admission import Ticket
 from gateway.lease import Lease
 from gateway.plan import Plan, PublicRequest, Served, charge
 from quota.limiter import Reservation
+from quota.usage import UsagePart
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a settled request ended, for its usage record and metrics."""
+
+    model: str  # the pool that answered (the last attempt a worker accepted)
+    route: str  # the plan's route, or "escalated" when a second attempt answered
+    status: int  # HTTP status, or the in-band error's; 499 for a client gone mid-answer
+    latency_ms: int  # arrival to settlement
+    parts: tuple[UsagePart, ...]  # tokens per attempt a worker accepted
 
 
 @dataclass(slots=True)
@@ -46,6 +58,12 @@ class Flight:
         self.abort_error: Exception | None = None  # why the gateway cut this request short
         self.aborted = asyncio.Event()
         self.on_finish: Callable[[], None] | None = None  # after settling (the access log)
+        self.key_id: str | None = None  # the API key's id (usage by key)
+        # The response's status, set by whoever answers (in-band errors override it);
+        # read when the settlement runs, after the handler returned. None: not answered.
+        self.status: int | None = None
+        self.arrived_at = time.perf_counter()  # the handler sets the request's arrival
+        self.latency_s: float | None = None  # arrival to settlement
         gw.flights.add(self)
 
     def attempt(self, pool_name: str) -> Attempt:
@@ -92,14 +110,40 @@ class Flight:
         if self.finished:
             return
         self.finished = True
+        self.latency_s = time.perf_counter() - self.arrived_at
         self.gw.flights.discard(self)
         for a in self.attempts:
             if a.upstream is not None:
                 self._close(a.upstream)
             a.lease.release(served=a.served.accepted)
-        self.gw.reconcile_later(self.reservation, self.charged_tokens)
+        self.gw.reconcile_later(self.reservation, self.charged_tokens, self)
         if self.on_finish is not None:
             self.on_finish()
+
+    def outcome(self) -> Outcome:
+        """What the request used and how it ended (call after `finish`)."""
+        plan = self.plan
+        parts = []
+        model, route = plan.pool, plan.route
+        for i, a in enumerate(self.attempts):
+            served = a.served
+            if not served.accepted and served.usage_completion_tokens is None:
+                continue
+            model = a.lease.pool.name
+            if i > 0:
+                route = "escalated"
+            total = charge(plan, served)
+            prompt = served.usage_prompt_tokens
+            prompt = plan.prompt_tokens if prompt is None else prompt
+            parts.append(UsagePart(model, prompt, served.usage_cached_tokens, total - prompt))
+        status = self.status if self.status is not None else 499
+        if status == 200 and any(
+            a.served.accepted and a.served.usage_completion_tokens is None for a in self.attempts
+        ):
+            status = 499  # the client left before the answer ended
+        latency = self.latency_s if self.latency_s is not None else 0.0
+        latency_ms = round(latency * 1000)
+        return Outcome(model, route, status, latency_ms, tuple(parts))
 
     def _close(self, upstream: httpx.Response) -> None:
         if not upstream.is_closed:

@@ -1,8 +1,24 @@
-"""Prometheus metrics of the gateway, on the registry the process builds."""
+"""Prometheus metrics of the gateway, on the registry the process builds.
+
+Label cardinality is bounded: `tenant` is a tenant id only for tenants on the allow-list or,
+first come, up to `tenant_cap` others; every other tenant is `other`. No metric carries a key,
+a key id or any prompt text. Pools, routes and statuses are closed sets of the config.
+
+Several gateway replicas: each process serves its own `/metrics` and Prometheus sums the
+targets (`sum without (instance)`); the gateway is one process per replica (no forked
+workers), so prometheus-client's multiprocess mode is not needed, and it would not carry the
+scrape-time collectors (queue depth) anyway.
+"""
+
+from collections.abc import Callable, Collection, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 P = "switchyard_gateway_"
+OTHER_TENANT = "other"
 _BUCKETS = (
     0.001,
     0.0025,
@@ -20,14 +36,89 @@ _BUCKETS = (
     30.0,
     60.0,
 )
+_FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
+
+
+class TenantLabels:
+    """The `tenant` label value: the id for tenants on `allow`, or for the first `cap` others
+    seen by this process; `other` for the rest."""
+
+    def __init__(self, allow: Collection[str] = (), cap: int = 20) -> None:
+        self._allow = frozenset(allow)
+        self._cap = max(0, cap)
+        self._seen: set[str] = set()
+
+    def __call__(self, tenant_id: str) -> str:
+        if tenant_id in self._allow or tenant_id in self._seen:
+            return tenant_id
+        if len(self._seen) < self._cap:
+            self._seen.add(tenant_id)
+            return tenant_id
+        return OTHER_TENANT
+
+
+class _PoolCollector(Collector):
+    """Queue depth per pool and ready replicas, read at scrape time."""
+
+    def __init__(self, pools: Callable[[], dict[str, Any]]) -> None:
+        self._pools = pools
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        depth = GaugeMetricFamily(
+            P + "queue_depth", "Requests waiting in the gateway's queue, per pool.", labels=["pool"]
+        )
+        replicas = GaugeMetricFamily(
+            P + "pool_replicas",
+            "Replicas of a pool by state (as polled).",
+            labels=["pool", "state"],
+        )
+        for name, pool in self._pools().items():
+            depth.add_metric([name], pool.controller.num_waiting)
+            states: dict[str, int] = {}
+            for view in pool.views.values():
+                states[view.state] = states.get(view.state, 0) + 1
+            for state, num in states.items():
+                replicas.add_metric([name, state], num)
+        yield depth
+        yield replicas
 
 
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, tenant_labels: TenantLabels | None = None
+    ) -> None:
+        self.registry = registry
+        self.tenant = tenant_labels or TenantLabels()
         self.requests = Counter(
             P + "requests",
             "Requests answered, by pool, route and HTTP status.",
             ["pool", "route", "status"],
+            registry=registry,
+        )
+        self.tenant_requests = Counter(
+            P + "tenant_requests",
+            "Settled requests by tenant, pool served and status (499: client gone mid-answer).",
+            ["tenant", "model", "status"],
+            registry=registry,
+        )
+        self.tokens = Counter(
+            P + "tokens",
+            "Tokens charged by tenant and pool served; kind: prompt, completion, cached "
+            "(prompt tokens the worker's prefix cache served).",
+            ["tenant", "model", "kind"],
+            registry=registry,
+        )
+        self.quota_refusals = Counter(
+            P + "quota_refusals",
+            "Requests refused by a tenant's quota, by the limit that refused.",
+            ["tenant", "limit"],
+            registry=registry,
+        )
+        self.shed = Counter(
+            P + "shed_requests",
+            "Requests shed by the gateway (503: queue full, deadline in queue, no replica).",
+            ["pool"],
             registry=registry,
         )
         self.queue_wait = Histogram(
@@ -44,3 +135,58 @@ class GatewayMetrics:
             buckets=_BUCKETS,
             registry=registry,
         )
+        self.ttft = Histogram(
+            P + "time_to_first_token_seconds",
+            "Streams: arrival at the gateway to the first token relayed to the client.",
+            ["pool"],
+            buckets=_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            P + "inter_token_latency_seconds",
+            "Streams: time between tokens relayed to the client.",
+            ["pool"],
+            buckets=_ITL_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            P + "e2e_request_latency_seconds",
+            "Reservation to settlement of every admitted request, as the client sees it.",
+            ["pool"],
+            buckets=_BUCKETS,
+            registry=registry,
+        )
+        self.overhead = Histogram(
+            P + "overhead_seconds",
+            "The gateway's own time before queueing: auth, decode, count, route, reserve.",
+            ["pool"],
+            buckets=_FAST_BUCKETS,
+            registry=registry,
+        )
+        self.redis_latency = Histogram(
+            P + "redis_latency_seconds",
+            "Redis calls on the request path, by operation (auth, reserve, reconcile).",
+            ["op"],
+            buckets=_FAST_BUCKETS,
+            registry=registry,
+        )
+        self.redis_errors = Counter(
+            P + "redis_errors",
+            "Redis calls on the request path that failed, by operation.",
+            ["op"],
+            registry=registry,
+        )
+
+    def watch_pools(self, pools: Callable[[], dict[str, Any]]) -> None:
+        """Export queue depth and replicas per pool of `pools()` at scrape time."""
+        self.registry.register(_PoolCollector(pools))
+
+    def observe_outcome(self, tenant_id: str, outcome: Any) -> None:
+        """One settled request (`gateway.flight.Outcome`)."""
+        tenant = self.tenant(tenant_id)
+        self.tenant_requests.labels(tenant, outcome.model, str(outcome.status)).inc()
+        self.e2e.labels(outcome.model).observe(outcome.latency_ms / 1000)
+        for part in outcome.parts:
+            self.tokens.labels(tenant, part.model, "prompt").inc(part.prompt_tokens)
+            self.tokens.labels(tenant, part.model, "completion").inc(part.completion_tokens)
+            self.tokens.labels(tenant, part.model, "cached").inc(part.cached_tokens)

@@ -16,7 +16,13 @@ import msgspec
 
 from cascade.policy import EscalationSettings
 from gateway.balancer import prefix_key
-from workers.api import ApiError, ChatCompletionRequest, CompletionRequest, StreamOptions
+from workers.api import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    StreamOptions,
+    Usage,
+)
 
 
 class GatewayCompletionRequest(CompletionRequest, kw_only=True, omit_defaults=True):
@@ -182,7 +188,18 @@ class Served:
     accepted: bool = False  # a worker took the request (status 200) and started on it
     usage_prompt_tokens: int | None = None  # from the worker's usage, when it came
     usage_completion_tokens: int | None = None
+    usage_cached_tokens: int = 0  # prompt tokens the worker's prefix cache served
     tokens_relayed: int = 0  # chunks with output forwarded (one per token from a worker)
+
+
+def note_usage(served: Served, usage: Usage | None) -> None:
+    """Keep the worker's usage report (None: it sent none)."""
+    if usage is None:
+        return
+    served.usage_prompt_tokens = usage.prompt_tokens
+    served.usage_completion_tokens = usage.completion_tokens
+    details = usage.prompt_tokens_details
+    served.usage_cached_tokens = details.cached_tokens if details is not None else 0
 
 
 def charge(plan: Plan, served: Served) -> int:

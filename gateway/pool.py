@@ -38,6 +38,7 @@ class Pool:
         self._arrivals: deque[float] = deque(maxlen=4096)  # when requests were offered
         self._service: deque[tuple[float, float]] = deque(maxlen=512)  # (finished, held s)
         self._ttfts: deque[tuple[float, float]] = deque(maxlen=512)  # (when, TTFT s)
+        self._tokens: deque[tuple[float, int]] = deque(maxlen=4096)  # (settled, tokens out)
         self.controller = AdmissionController(self.queue, self.has_room, clock)
         self._reported: dict[str, str] = {}
         self._lost: dict[str, asyncio.Event] = {}
@@ -85,6 +86,21 @@ class Pool:
     def record_ttft(self, seconds: float) -> None:
         """A stream's first token reached its client `seconds` after arrival."""
         self._ttfts.append((self.clock(), seconds))
+
+    def ttft_quantile_s(self, q: float, window_s: float = 60.0) -> float | None:
+        """The `q` quantile (0..1) of streams' TTFT over the last `window_s`; None: none."""
+        now = self.clock()
+        recent = sorted(s for t, s in self._ttfts if now - t <= window_s)
+        return recent[min(len(recent) - 1, int(q * len(recent)))] if recent else None
+
+    def record_tokens(self, num_tokens: int) -> None:
+        """A settled request's completion tokens, for the pool's tokens per second."""
+        self._tokens.append((self.clock(), num_tokens))
+
+    def tokens_per_s(self, window_s: float = 10.0) -> float:
+        """Completion tokens of requests settled in the last `window_s`, per second."""
+        now = self.clock()
+        return sum(n for t, n in self._tokens if now - t <= window_s) / window_s
 
     def ttft_p90_s(self, window_s: float = 10.0) -> float | None:
         """The 90th percentile of streams' time to first token over the last `window_s`

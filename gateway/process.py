@@ -18,7 +18,7 @@ from gateway.context import Gateway
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.http_server import GatewayServer, server_config
 from gateway.labels import LabelStore
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, TenantLabels
 from gateway.pool import Pool
 from gateway.routing import Router, RoutingMetrics
 from gateway.shadow import Learner
@@ -28,6 +28,7 @@ from quota.journal import ReconcileJournal, journal_path
 from quota.limiter import FailurePolicy, QuotaLimiter
 from quota.store import TenantStore
 from quota.sweeper import QuotaMaintenance, new_owner_id
+from quota.usage import UsageConfig, UsageReader
 from workers.api import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -75,12 +76,22 @@ def build_gateway(
     # of dead gateways) once Redis answers.
     owner_id = new_owner_id()
     journal = ReconcileJournal(journal_path(Path(config.data_dir) / "quota-journal", owner_id))
-    limiter = QuotaLimiter(redis, policy, registry, owner_id=owner_id, journal=journal)
+    usage = UsageConfig(
+        hour_retention_s=config.usage_hour_retention_s,
+        day_retention_s=config.usage_day_retention_s,
+        recent_max=config.usage_recent_max,
+    )
+    limiter = QuotaLimiter(redis, policy, registry, owner_id=owner_id, journal=journal, usage=usage)
     maintenance = QuotaMaintenance(
         limiter, heartbeat_ttl_s=config.quota_heartbeat_ttl_s, registry=registry
     )
+    metrics = GatewayMetrics(
+        registry, TenantLabels(config.metrics_tenants, config.metrics_tenant_cap)
+    )
+    metrics.watch_pools(lambda: pools)
     return Gateway(
         router=router,
+        usage=UsageReader(redis, usage),
         learner=learner,
         config=config,
         store=TenantStore(redis),
@@ -92,7 +103,7 @@ def build_gateway(
         registry=registry,
         redis=redis,
         rng=rng or random.Random(),
-        metrics=GatewayMetrics(registry),
+        metrics=metrics,
     )
 
 

@@ -22,8 +22,9 @@ from gateway.dispatch import send_attempt
 from gateway.errors import deadline_error, error_response, to_api_error, upstream_error
 from gateway.flight import Attempt, Flight, FlightStream
 from gateway.intake import authenticate_key, decode, prepare, ratelimit_headers
-from gateway.plan import Plan, charge, upstream_body
+from gateway.plan import Plan, charge, note_usage, upstream_body
 from gateway.relay import DONE, StreamAborted, StreamTimeout, relay
+from quota.errors import QuotaExceeded
 from workers.api import ApiError, EventStream, Usage, parse_summary
 
 log = logging.getLogger(__name__)
@@ -42,13 +43,19 @@ async def handle(gw: Gateway, request: Request, chat: bool) -> Response | EventS
         return response
     except Exception as exc:
         status = to_api_error(exc, gw.rng).status
+        if isinstance(exc, QuotaExceeded) and gw.metrics is not None and "tenant" in owner:
+            gw.metrics.quota_refusals.labels(gw.metrics.tenant(owner["tenant"]), exc.kind).inc()
         raise
     finally:
         if gw.metrics is not None:
             gw.metrics.requests.labels(labels[0], labels[1], str(status)).inc()
             if labels[0] != "-":
                 gw.metrics.latency.labels(labels[0]).observe(time.perf_counter() - t0)
+            if status == 503:
+                gw.metrics.shed.labels(labels[0]).inc()
         flight = owner.get("flight")
+        if flight is not None and flight.status is None:
+            flight.status = status  # before its settlement runs (in a task not yet started)
         line = (request.url.path, owner.get("tenant", "-"), labels, status, t0)
         if flight is not None and not flight.finished:  # a stream: logged when it settles
             flight.on_finish = lambda: _log_access(*line, flight.charged_tokens)
@@ -98,6 +105,7 @@ async def read_body(request: Request, timeout_s: float) -> bytes:
 async def _handle(
     gw: Gateway, request: Request, chat: bool, labels: list[str], owner: dict
 ) -> Response | EventStream:
+    arrived = time.perf_counter()
     key_id, tenant = await authenticate_key(gw, request)
     owner["tenant"] = tenant.tenant_id
     req = decode(await read_body(request, gw.config.body_timeout_s), chat, gw.config)
@@ -107,7 +115,14 @@ async def _handle(
     labels[:] = [plan.pool, plan.route]
     if gw.learner is not None:
         gw.learner.on_plan(gw, plan, req)
+    t_reserve = time.perf_counter()
     reservation, state = await gw.limiter.reserve(tenant, plan.request_id, plan.reserve_tokens)
+    if gw.metrics is not None:
+        now = time.perf_counter()
+        gw.metrics.redis_latency.labels("reserve").observe(now - t_reserve)
+        gw.metrics.overhead.labels(plan.pool).observe(now - arrived)
+        if not reservation.checked:
+            gw.metrics.redis_errors.labels("reserve").inc()
     headers = {
         "x-request-id": plan.request_id,
         "x-switchyard-model": plan.pool,
@@ -118,6 +133,8 @@ async def _handle(
         headers["x-switchyard-score"] = f"{plan.score:.4f}"
         headers["x-switchyard-threshold"] = f"{plan.threshold:.4f}"
     flight = Flight(gw, plan, req, reservation)
+    flight.key_id = key_id
+    flight.arrived_at = arrived
     owner["flight"] = flight
     flight.client_deadline = request.headers.get("x-request-timeout") is not None
     try:
@@ -144,7 +161,10 @@ async def _open(
     gw: Gateway, flight: Flight, attempt: Attempt, body: bytes, stream: bool
 ) -> httpx.Response:
     """Wait for the attempt's turn, then send it (with retries across replicas)."""
+    queued = time.monotonic()
     await attempt.lease.wait()
+    if gw.metrics is not None:
+        gw.metrics.queue_wait.labels(attempt.lease.pool.name).observe(time.monotonic() - queued)
     upstream = await send_attempt(
         gw.workers,
         attempt.lease,
@@ -209,18 +229,18 @@ async def _events_after(gw: Gateway, flight: Flight, attempt: Attempt, opening: 
                 return_when="FIRST_COMPLETED",
             )
             if aborting in done:
-                yield _error_event(to_api_error(flight.abort_error, gw.rng))
+                yield _error_event(to_api_error(flight.abort_error, gw.rng), flight)
                 return
             if not done:
                 yield b": queued\n\n"
         try:
             upstream = opening.result()
         except Exception as exc:
-            yield _error_event(to_api_error(exc, gw.rng))
+            yield _error_event(to_api_error(exc, gw.rng), flight)
             return
         if upstream.status_code != 200:
             content = await upstream.aread()
-            yield _error_event(upstream_error(upstream.status_code, content))
+            yield _error_event(upstream_error(upstream.status_code, content), flight)
             return
         async for event in _relay_events(gw, flight, attempt, upstream):
             yield event
@@ -232,6 +252,9 @@ async def _events_after(gw: Gateway, flight: Flight, attempt: Attempt, opening: 
 async def _relay_events(gw: Gateway, flight: Flight, attempt: Attempt, upstream: httpx.Response):
     plan = flight.plan
     first = True
+    pool = attempt.lease.pool.name
+    metrics = gw.metrics
+    last_at, last_tokens = 0.0, 0
     try:
         async for event in relay(
             upstream,
@@ -241,11 +264,22 @@ async def _relay_events(gw: Gateway, flight: Flight, attempt: Attempt, upstream:
             gw.config.stream_idle_timeout_s,
         ):
             yield event
-            if first and attempt.served.tokens_relayed:
+            tokens = attempt.served.tokens_relayed
+            if first and tokens:
                 first = False
-                attempt.lease.pool.record_ttft(time.monotonic() - flight.started_at)
+                last_at, last_tokens = time.monotonic(), tokens
+                attempt.lease.pool.record_ttft(last_at - flight.started_at)
+                if metrics is not None:
+                    metrics.ttft.labels(pool).observe(time.perf_counter() - flight.arrived_at)
+            elif tokens > last_tokens and metrics is not None:
+                now = time.monotonic()
+                gap = (now - last_at) / (tokens - last_tokens)
+                for _ in range(min(tokens - last_tokens, 16)):
+                    metrics.itl.labels(pool).observe(gap)
+                last_at, last_tokens = now, tokens
     except StreamAborted:
-        yield _usage_event(flight, attempt) + _error_event(to_api_error(flight.abort_error, gw.rng))
+        err = to_api_error(flight.abort_error, gw.rng)
+        yield _usage_event(flight, attempt) + _error_event(err, flight)
     except (httpx.HTTPError, StreamTimeout) as exc:
         url = attempt.lease.worker.url if attempt.lease.worker else "?"
         log.warning("stream of %s from %s ended early: %r", plan.request_id, url, exc)
@@ -262,7 +296,7 @@ async def _relay_events(gw: Gateway, flight: Flight, attempt: Attempt, upstream:
                 type="server_error",
                 code="upstream_failed",
             )
-        yield _usage_event(flight, attempt) + _error_event(err)
+        yield _usage_event(flight, attempt) + _error_event(err, flight)
 
 
 def _usage_event(flight: Flight, attempt: Attempt) -> bytes:
@@ -284,7 +318,10 @@ def _usage_event(flight: Flight, attempt: Attempt) -> bytes:
     return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
 
 
-def _error_event(err: ApiError) -> bytes:
+def _error_event(err: ApiError, flight: Flight | None = None) -> bytes:
+    """An in-band error (then [DONE]); it is the status `flight` is recorded with."""
+    if flight is not None:
+        flight.status = err.status
     return b"data: " + msgspec.json.encode(err.body()) + b"\n\n" + DONE
 
 
@@ -337,9 +374,8 @@ async def _complete(
         return await _relayed_error(upstream, headers)
     content = await upstream.aread()
     summary = parse_summary(content)
-    if summary is not None and summary.usage is not None:
-        attempt.served.usage_prompt_tokens = summary.usage.prompt_tokens
-        attempt.served.usage_completion_tokens = summary.usage.completion_tokens
+    if summary is not None:
+        note_usage(attempt.served, summary.usage)
     if escalate:
         content = await _maybe_escalate(gw, flight, content, headers)
     elif gw.learner is not None:
@@ -370,9 +406,8 @@ async def _maybe_escalate(gw: Gateway, flight: Flight, content: bytes, headers: 
             if upstream.status_code == 200:
                 large_content = await upstream.aread()
                 summary = parse_summary(large_content)
-                if summary is not None and summary.usage is not None:
-                    attempt.served.usage_prompt_tokens = summary.usage.prompt_tokens
-                    attempt.served.usage_completion_tokens = summary.usage.completion_tokens
+                if summary is not None:
+                    note_usage(attempt.served, summary.usage)
                 answer = msgspec.json.decode(large_content)
                 changed = answer_text(answer) != answer_text(small)
                 router.metrics.escalations.labels("true" if changed else "false").inc()

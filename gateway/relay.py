@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import httpx
 
 from gateway.flight import Attempt
+from gateway.plan import note_usage
 from workers.api import parse_chunk
 
 DONE = b"data: [DONE]\n\n"
@@ -104,8 +105,7 @@ async def relay(
             chunk = parse_chunk(data)
             if chunk is not None:
                 if chunk.usage is not None:
-                    served.usage_prompt_tokens = chunk.usage.prompt_tokens
-                    served.usage_completion_tokens = chunk.usage.completion_tokens
+                    note_usage(served, chunk.usage)
                     if not chunk.choices and not client_wants_usage:
                         continue
                 elif chunk.choices:

@@ -38,6 +38,8 @@ class Settlement:
     owner_id: whose pending index holds the reservation; None when not indexed.
     final: False for an unchecked request journaled at admission with its reserved tokens,
       what is charged if the gateway dies before the request ends; True once usage is known.
+    usage: the request's usage record (`quota.usage.usage_record`), written with the
+      settlement in the same script call; None: nothing to record.
     """
 
     tenant_id: str
@@ -48,6 +50,7 @@ class Settlement:
     delta_tokens: int
     owner_id: str | None = None
     final: bool = True
+    usage: str | None = None
 
 
 def journal_path(directory: str | Path, owner_id: str) -> Path:

@@ -34,6 +34,7 @@ from quota.policy import (
     windows_at,
 )
 from quota.scripts import QuotaScripts
+from quota.usage import UsageConfig
 
 __all__ = ["FailurePolicy", "QuotaLimiter", "RateLimitState", "Reservation"]
 
@@ -71,7 +72,7 @@ class QuotaLimiter:
     a sweeper settles them if this gateway dies; None: not indexed (slots wait for the lease).
     `journal`: where settlements Redis could not take go, for the sweeper to apply; None: such
     a reconcile is lost (counted) and an unchecked request is charged only if Redis is back by
-    its reconcile.
+    its reconcile. `usage`: retention of the usage records reconcile writes (`quota.usage`).
     """
 
     def __init__(
@@ -84,6 +85,7 @@ class QuotaLimiter:
         clock: Callable[[], float] = time.time,
         owner_id: str | None = None,
         journal: ReconcileJournal | None = None,
+        usage: UsageConfig | None = None,
     ) -> None:
         if concurrency_lease_s <= 0:
             raise ValueError("concurrency_lease_s must be positive")
@@ -97,7 +99,7 @@ class QuotaLimiter:
         self._redis_down = False
         self.owner_id = owner_id
         self.journal = journal
-        self.scripts = QuotaScripts(redis)
+        self.scripts = QuotaScripts(redis, usage)
         registry = registry if registry is not None else CollectorRegistry()
         self._redis_errors = Counter(
             "switchyard_gateway_quota_redis_errors",
@@ -154,16 +156,20 @@ class QuotaLimiter:
         )
         return reservation, rate_limit_state(tenant.limits, reply)
 
-    async def reconcile(self, reservation: Reservation, actual_tokens: int) -> None:
+    async def reconcile(
+        self, reservation: Reservation, actual_tokens: int, usage: str | None = None
+    ) -> None:
         """Correct the windows the reservation was charged to by (actual - reserved), clamped at
         zero, and release its concurrency slot. Idempotent: only the first call acts, here and
         in Redis. Never raises for an unreachable Redis: the settlement goes to the journal
         (the sweeper applies it, once, when Redis is back) or, without one, is lost (counted;
         the reservation stays charged, its slot frees at lease end). An unchecked reservation
-        charges `actual_tokens` to the current windows instead, once."""
+        charges `actual_tokens` to the current windows instead, once. `usage`: the request's
+        usage record (`quota.usage.usage_record`), written with the settlement, so also once
+        and also through the journal."""
         if reservation.reconciled:
             return
-        settlement = self._settlement(reservation, max(0, int(actual_tokens)))
+        settlement = self._settlement(reservation, max(0, int(actual_tokens)), usage=usage)
         try:
             await self.scripts.settle(settlement)
         except REDIS_DOWN as exc:
@@ -236,16 +242,23 @@ class QuotaLimiter:
         return reservation, unlimited_state()
 
     def _settlement(
-        self, reservation: Reservation, actual: int, *, final: bool = True
+        self, reservation: Reservation, actual: int, *, final: bool = True, usage: str | None = None
     ) -> Settlement:
         r = reservation
         if r.checked and r.minute is not None and r.day is not None:
             return Settlement(
-                r.tenant_id, r.request_id, True, r.minute, r.day, actual - r.tokens, r.owner_id
+                r.tenant_id,
+                r.request_id,
+                True,
+                r.minute,
+                r.day,
+                actual - r.tokens,
+                r.owner_id,
+                usage=usage,
             )
         w = self._guess_windows()
         return Settlement(
-            r.tenant_id, r.request_id, False, w.minute, w.day, actual, r.owner_id, final
+            r.tenant_id, r.request_id, False, w.minute, w.day, actual, r.owner_id, final, usage
         )
 
     def _journal(self, settlement: Settlement) -> None:

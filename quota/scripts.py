@@ -18,6 +18,14 @@ from quota.policy import (
     limit_arg,
     parse_reserve_reply,
 )
+from quota.usage import (
+    UsageConfig,
+    day_key,
+    hour_key,
+    key_use_key,
+    recent_key,
+    record_buckets,
+)
 
 
 def _script(name: str) -> str:
@@ -27,8 +35,9 @@ def _script(name: str) -> str:
 class QuotaScripts:
     """reserve.lua, reconcile.lua and sweep.lua on `redis`."""
 
-    def __init__(self, redis: redis.asyncio.Redis) -> None:
+    def __init__(self, redis: redis.asyncio.Redis, usage: UsageConfig | None = None) -> None:
         self.redis = redis
+        self.usage = usage or UsageConfig()
         self._reserve = redis.register_script(_script("reserve.lua"))
         self._reconcile = redis.register_script(_script("reconcile.lua"))
         self._sweep = redis.register_script(_script("sweep.lua"))
@@ -72,8 +81,10 @@ class QuotaScripts:
         return parse_reserve_reply(await self._reserve(keys, args))
 
     async def settle(self, s: Settlement) -> bool:
-        """Apply a settlement; False if it was already applied (or swept and applied)."""
+        """Apply a settlement (and its usage record); False if it was already applied (or
+        swept and applied)."""
         tid, rid = s.tenant_id, s.request_id
+        hour, day = record_buckets(s.usage) if s.usage else (0, 0)
         keys = [
             keyspace.tokens_minute(tid, s.minute),
             keyspace.tokens_day(tid, s.day),
@@ -82,6 +93,10 @@ class QuotaScripts:
             keyspace.swept(tid, rid),
             keyspace.charged(tid, rid),
             keyspace.owner_pending(s.owner_id or "-"),
+            hour_key(tid, hour),
+            day_key(tid, day),
+            recent_key(tid),
+            key_use_key(tid),
         ]
         member = keyspace.pending_member(tid, rid) if s.owner_id else ""
         args = [
@@ -92,6 +107,10 @@ class QuotaScripts:
             DAY_TTL_S,
             PENDING_TTL_S,
             member,
+            s.usage or "",
+            self.usage.hour_retention_s,
+            self.usage.day_retention_s,
+            self.usage.recent_max,
         ]
         return bool(await self._reconcile(keys, args))
 

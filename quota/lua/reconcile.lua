@@ -10,6 +10,10 @@
 -- KEYS[5] the marker as a sweep left it                      sy:{t}:swept:<request id>
 -- KEYS[6] done marker of an unchecked charge                 sy:{t}:charged:<request id>
 -- KEYS[7] the owner's pending index                          sy:owner:{o}:pending
+-- KEYS[8] usage of the request's hour                        sy:{t}:uh:<hour>
+-- KEYS[9] usage of the request's day                         sy:{t}:ud:<day>
+-- KEYS[10] the tenant's recent-request log                   sy:{t}:recent
+-- KEYS[11] last use of each of the tenant's keys             sy:{t}:keyuse (key id -> unix s)
 -- ARGV[1] token delta: actual - reserved (may be negative); for "unchecked", actual
 -- ARGV[2] "checked": a reservation made by reserve.lua. It acts if its pending marker exists
 --           (and releases the slot) or, once its owner was swept as dead, if the swept
@@ -24,6 +28,10 @@
 -- ARGV[5] TTL of a day counter created here, s
 -- ARGV[6] TTL of the done marker, s
 -- ARGV[7] index member "<tenant>|<request id>" to drop from KEYS[7] ("" = not indexed)
+-- ARGV[8] usage record JSON (quota/usage.py `usage_record`), "" = none; written only when the
+--         settlement acts, so a request's usage is recorded exactly once
+-- ARGV[9] TTL of the hour usage hash, s;  ARGV[10] of the day hash, s
+-- ARGV[11] most lines kept in the recent log
 --
 -- Returns 1 when applied, 0 when it was already settled (nothing done).
 -- Counters are clamped at zero; a lowered counter that has already expired stays absent.
@@ -66,4 +74,31 @@ end
 
 adjust(KEYS[1], ARGV[4])
 adjust(KEYS[2], ARGV[5])
+
+if ARGV[8] ~= '' then
+  local u = cjson.decode(ARGV[8])
+  local function add(model, field, n)
+    if n == 0 then return end
+    local f = model .. '|' .. u.key .. '|' .. field
+    redis.call('HINCRBY', KEYS[8], f, n)
+    redis.call('HINCRBY', KEYS[9], f, n)
+  end
+  add(u.model, 'n', 1)
+  add(u.model, 'err', u.err)
+  add(u.model, 'lat_ms', u.lat_ms)
+  for _, p in ipairs(u.parts) do
+    add(p[1], 'prompt', p[2])
+    add(p[1], 'cached', p[3])
+    add(p[1], 'completion', p[4])
+  end
+  redis.call('EXPIRE', KEYS[8], ARGV[9])
+  redis.call('EXPIRE', KEYS[9], ARGV[10])
+  redis.call('LPUSH', KEYS[10], u.line)
+  redis.call('LTRIM', KEYS[10], 0, tonumber(ARGV[11]) - 1)
+  redis.call('EXPIRE', KEYS[10], ARGV[10])
+  if u.key ~= '-' then
+    redis.call('HSET', KEYS[11], u.key, tostring(u.ts))
+    redis.call('EXPIRE', KEYS[11], ARGV[10])
+  end
+end
 return 1

@@ -1,0 +1,105 @@
+"""The admin API's update semantics over real HTTP: PATCH merges (a field left out is left
+alone, null clears it), PUT replaces the whole document, types are strict, allowed_models
+names existing pools; keys list their last use."""
+
+import time
+
+from tests.integration.gateway.conftest import gateway_stack
+
+CASCADE = {"cascade_small_pool": "small", "cascade_large_pool": "large"}
+
+
+def test_patch_tenant_merges_limits_and_put_replaces_the_document(stack):
+    with stack.admin() as c:
+        limits = {"tokens_per_minute": 1000, "tokens_per_day": 50_000, "max_concurrent": 4}
+        r = c.post("/admin/tenants", json={"tenant_id": "acme", "limits": limits})
+        assert r.status_code == 201, r.text
+        r = c.patch("/admin/tenants/acme", json={"limits": {"tokens_per_minute": 2000}})
+        assert r.status_code == 200, r.text
+        assert r.json()["limits"] == {**limits, "tokens_per_minute": 2000, **_unset()}
+        r = c.patch("/admin/tenants/acme", json={"limits": {"max_concurrent": None}})
+        assert r.json()["limits"]["max_concurrent"] is None
+        assert r.json()["limits"]["tokens_per_day"] == 50_000
+        r = c.patch("/admin/tenants/acme", json={"allowed_models": ["large"], "name": "Acme"})
+        assert r.json()["allowed_models"] == ["large"] and r.json()["limits"]["tokens_per_day"]
+        r = c.patch("/admin/tenants/acme", json={"allowed_models": None})
+        assert r.json()["allowed_models"] == [] and r.json()["name"] == "Acme"
+        r = c.put("/admin/tenants/acme", json={"limits": {"tokens_per_day": 10}})
+        assert r.status_code == 200
+        doc = r.json()
+        assert doc["limits"]["tokens_per_day"] == 10 and doc["limits"]["tokens_per_minute"] is None
+        assert doc["name"] == "acme" and doc["allow_overflow"] is True
+
+
+def _unset() -> dict:
+    return {"requests_per_minute": None, "max_context": None}
+
+
+def test_admin_types_are_strict_and_pools_must_exist(stack):
+    with stack.admin() as c:
+        assert c.post("/admin/tenants", json={"tenant_id": "acme"}).status_code == 201
+        bad = [
+            {"allow_overflow": "false"},
+            {"limits": {"tokens_per_minute": "100"}},
+            {"limits": {"tokens_per_minute": True}},
+            {"limits": {"tokens_per_minute": -1}},
+            {"limits": {"tokens_per_hour": 5}},
+            {"allowed_models": ["medium"]},
+            {"allowed_models": "small"},
+            {"name": 5},
+            {"colour": "red"},
+        ]
+        for body in bad:
+            r = c.patch("/admin/tenants/acme", json=body)
+            assert r.status_code == 400, (body, r.text)
+            assert r.json()["error"]["param"], body
+        r = c.post("/admin/tenants", json={"tenant_id": "b", "allowed_models": ["gpt-9"]})
+        assert r.status_code == 400 and "gpt-9" in r.json()["error"]["message"]
+        assert c.get("/admin/tenants/acme").json()["allow_overflow"] is True
+        assert c.patch("/admin/tenants/nobody", json={"name": "x"}).status_code == 404
+
+
+def test_keys_list_their_prefix_and_last_use(stack):
+    key = stack.tenant("acme")
+    with stack.admin() as c:
+        [listed] = c.get("/admin/tenants/acme/keys").json()["data"]
+        assert listed["last_used_at"] is None and key.startswith(listed["prefix"])
+    before = time.time()
+    with stack.client(key) as c:
+        body = {"model": "small", "prompt": [1, 2], "max_tokens": 2}
+        assert c.post("/v1/completions", json=body).status_code == 200
+    deadline = time.monotonic() + 10
+    with stack.admin() as c:
+        while True:
+            [listed] = c.get("/admin/tenants/acme/keys").json()["data"]
+            if listed["last_used_at"] is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+    assert listed["last_used_at"] >= before - 1
+
+
+def test_patch_routing_changes_one_field_and_put_replaces(redis_url):
+    with gateway_stack(redis_url, **CASCADE) as s, s.admin() as c:
+        assert c.post("/admin/tenants", json={"tenant_id": "acme"}).status_code == 201
+        r = c.put(
+            "/admin/routing",
+            json={"tenant_thresholds": {"acme": 0.2}, "overflow_max_wait_s": 9.0},
+        )
+        assert r.status_code == 200, r.text
+        r = c.patch("/admin/routing", json={"overflow_max_wait_s": 3.0})
+        assert r.status_code == 200, r.text
+        doc = r.json()
+        assert doc["overflow_max_wait_s"] == 3.0 and doc["tenant_thresholds"] == {"acme": 0.2}
+        r = c.patch("/admin/routing", json={"escalation": {"*": {"enabled": True}}})
+        assert r.json()["escalation"]["*"]["enabled"] is True
+        r = c.patch("/admin/routing", json={"escalation": {"*": {"min_mean_logprob": -2.0}}})
+        esc = r.json()["escalation"]["*"]
+        assert esc["enabled"] is True and esc["min_mean_logprob"] == -2.0
+        r = c.patch("/admin/routing", json={"tenant_thresholds": {"acme": None}})
+        assert r.json()["tenant_thresholds"] == {} and r.json()["overflow_max_wait_s"] == 3.0
+        for bad in ({"overflow_max_wait_s": "3"}, {"escalation": {"*": {"enabled": "false"}}}):
+            assert c.patch("/admin/routing", json=bad).status_code == 400, bad
+        r = c.put("/admin/routing", json={"overflow_max_wait_s": 1.0})
+        assert r.json()["escalation"] == {} and r.json()["overflow_max_wait_s"] == 1.0
+        audit = c.get("/admin/routing/audit").json()["data"]
+        assert len(audit) == 6
