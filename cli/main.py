@@ -4,6 +4,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from cli.admin_cmd import add_admin_parser
 from cli.cascade_cmd import add_cascade_parser
 from cli.load_cmd import add_load_parser
 from cli.logs import setup_logging
@@ -138,86 +139,6 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_admin(args: argparse.Namespace) -> int:
-    import os
-
-    import httpx
-
-    from cli.models_cmd import cache_dir
-    from cli.serve.state import local_admin_key, local_stack
-
-    stack = local_stack(cache_dir(None))
-    url = args.url or (stack["url"] if stack else "http://127.0.0.1:8000")
-    key = (
-        args.admin_key
-        or os.environ.get("SWITCHYARD_ADMIN_KEY")
-        or local_admin_key(cache_dir(None), url)
-    )
-    if not key:
-        print(
-            f"error: no admin key for {url}: give --admin-key or set SWITCHYARD_ADMIN_KEY "
-            "(`switchyard serve` stores one in its data_dir/admin-key)",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        return _admin_request(args, url, key)
-    except httpx.TransportError as exc:
-        print(
-            f"error: cannot reach the gateway at {url} ({type(exc).__name__}); "
-            "is `switchyard serve` running? (--url to point elsewhere)",
-            file=sys.stderr,
-        )
-        return 1
-
-
-def _admin_request(args: argparse.Namespace, url: str, key: str) -> int:
-    import json
-
-    import httpx
-
-    headers = {"authorization": f"Bearer {key}"}
-    base = url.rstrip("/") + "/admin"
-    if args.action == "create-tenant":
-        limits = {
-            k: getattr(args, k)
-            for k in (
-                "tokens_per_minute",
-                "tokens_per_day",
-                "requests_per_minute",
-                "max_concurrent",
-                "max_context",
-            )
-            if getattr(args, k) is not None
-        }
-        body = {
-            "tenant_id": args.tenant,
-            "name": args.name or args.tenant,
-            "limits": limits,
-            "allowed_models": args.model or [],
-        }
-        r = httpx.post(f"{base}/tenants", json=body, headers=headers)
-    elif args.action == "create-key":
-        r = httpx.post(
-            f"{base}/tenants/{args.tenant}/keys", json={"name": args.name}, headers=headers
-        )
-    elif args.action == "list-tenants":
-        r = httpx.get(f"{base}/tenants", headers=headers)
-    elif args.action == "fleet":
-        r = httpx.get(f"{base}/fleet", headers=headers)
-        if r.status_code == 200 and not args.json:
-            from cli.fleet_view import render_fleet
-
-            print(render_fleet(r.json()))
-            return 0
-    else:
-        r = httpx.delete(f"{base}/keys/{args.key_id}", headers=headers)
-    print(json.dumps(r.json(), indent=2))
-    if args.action == "create-key" and r.status_code == 201:
-        print("\nThe key above is shown once; store it now.", file=sys.stderr)
-    return 0 if r.status_code < 400 else 1
-
-
 def _cmd_bench_engine(args: argparse.Namespace) -> int:
     if args.tensor_parallel is not None:
         from benchmarks.engine_tp import TPBenchOptions, run_tp_bench
@@ -350,37 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--port", type=int, default=8000)
     gw.set_defaults(func=_cmd_gateway)
 
-    admin = sub.add_parser("admin", help="tenants and keys, through the gateway's admin API")
-    admin.add_argument(
-        "--url", default=None, help="the gateway (default: the local `switchyard serve`; :8000)"
-    )
-    admin.add_argument(
-        "--admin-key",
-        default=None,
-        help="default: $SWITCHYARD_ADMIN_KEY, else the key the local `switchyard serve` stored",
-    )
-    acts = admin.add_subparsers(dest="action", required=True)
-    ct = acts.add_parser("create-tenant")
-    ct.add_argument("tenant")
-    ct.add_argument("--name")
-    for limit in (
-        "tokens-per-minute",
-        "tokens-per-day",
-        "requests-per-minute",
-        "max-concurrent",
-        "max-context",
-    ):
-        ct.add_argument(f"--{limit}", type=int, default=None)
-    ct.add_argument("--model", action="append", help="allowed pool (repeatable; default all)")
-    ck = acts.add_parser("create-key")
-    ck.add_argument("tenant")
-    ck.add_argument("--name")
-    acts.add_parser("list-tenants")
-    fl = acts.add_parser("fleet", help="pools, replicas and their state, the autoscaler's decision")
-    fl.add_argument("--json", action="store_true", help="the raw GET /admin/fleet answer")
-    rk = acts.add_parser("revoke-key")
-    rk.add_argument("key_id")
-    admin.set_defaults(func=_cmd_admin)
+    add_admin_parser(sub)
 
     add_cascade_parser(sub)
     add_serve_parser(sub)
