@@ -9,3 +9,15 @@ command -v "$PY" >/dev/null || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -c constraints.txt -e '.[dev,convert]'
+# System packages the tests drive: chromium (the /dashboard page's browser test, through
+# Playwright) and promtool (from `prometheus`: the alert rules' check). Nothing to do when
+# both are there; installing needs root and apt-get, else the two tests fail and say why.
+if ! command -v chromium >/dev/null || ! command -v promtool >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      chromium prometheus >/dev/null
+  else
+    echo "warning: chromium or promtool missing (as root: apt-get install chromium prometheus)" >&2
+  fi
+fi

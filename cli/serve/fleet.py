@@ -7,11 +7,14 @@ would need membership in Redis; `switchyard serve` is one machine and one gatewa
 """
 
 import asyncio
+import json
 import logging
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from gateway.pool import Pool
 from workers.fleet.actuator import apply_decision
@@ -25,16 +28,33 @@ RATE_WINDOW_S = 10.0
 
 
 class PoolMembership:
-    """`workers.supervisor.Membership` over the gateway's pools."""
+    """`workers.supervisor.Membership` over the gateway's pools. `targets_file`: where the
+    workers are listed for Prometheus (file_sd JSON, one group per pool; None: nowhere)."""
 
-    def __init__(self, pools: dict[str, Pool]) -> None:
+    def __init__(self, pools: dict[str, Pool], targets_file: Path | None = None) -> None:
         self.pools = pools
+        self.targets_file = targets_file
+        self._write_targets()
 
     def add(self, pool: str, url: str) -> None:
         self.pools[pool].add_member(url)
+        self._write_targets()
 
     def remove(self, pool: str, url: str, lost: bool) -> None:
         self.pools[pool].remove_member(url, lost=lost)
+        self._write_targets()
+
+    def _write_targets(self) -> None:
+        if self.targets_file is None:
+            return
+        groups = [
+            {"targets": sorted(urlsplit(u).netloc for u in p.views), "labels": {"pool": name}}
+            for name, p in self.pools.items()
+        ]
+        self.targets_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.targets_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(groups, indent=1))
+        tmp.replace(self.targets_file)  # Prometheus never reads half a file
 
 
 def pool_signals(

@@ -232,7 +232,7 @@ class Stack:
         supervisor = LocalSupervisor(
             worker_launches(cfg, model_dirs, self.data_dir / "run", self.opts),
             WorkerClient(http),
-            PoolMembership(gw.pools),
+            PoolMembership(gw.pools, self.data_dir / "prometheus" / "workers.json"),
             SupervisorConfig(
                 log_dir=self.data_dir / "logs",
                 restart_base_s=cfg.fleet.restart_base_s,

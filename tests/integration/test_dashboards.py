@@ -1,0 +1,123 @@
+"""dashboards/: every metric the Grafana dashboards and the alert rules name is one the code
+exports (gateway, cascade, quota and worker registries), and the rules pass `promtool check
+rules` (promtool comes with the `prometheus` system package, installed by scripts/setup.sh;
+without it this test fails unless SWITCHYARD_SKIP_PROMTOOL=1 says to skip that step)."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from gateway.config import GatewayConfig
+from gateway.process import build_gateway
+from workers.metrics import EngineCollector, WorkerMetrics
+
+DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
+METRIC = re.compile(r"\b(switchyard_[a-z0-9_]+)")
+PROMETHEUS_BUILTINS = {"up"}
+SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "gauge": ("",),
+    "summary": ("", "_sum", "_count", "_created"),
+}
+
+
+def exported_names(registry: CollectorRegistry) -> set[str]:
+    names = set()
+    for family in registry.collect():
+        for suffix in SUFFIXES.get(family.type, ("",)):
+            names.add(family.name + suffix)
+    return names
+
+
+def _fake_engine() -> SimpleNamespace:
+    stats = SimpleNamespace(num_query_tokens=0, num_hit_tokens=0)
+    return SimpleNamespace(
+        scheduler=SimpleNamespace(num_running=0, num_waiting=0, num_preemptions=0),
+        kv=SimpleNamespace(usage=0.0, stats=stats),
+        num_failed_requests=0,
+    )
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> set[str]:
+    cfg = GatewayConfig(
+        pools={"small": ["http://127.0.0.1:9"], "large": ["http://127.0.0.1:9"]},
+        data_dir=str(tmp_path_factory.mktemp("gw")),
+        cascade_small_pool="small",
+        cascade_large_pool="large",
+    )
+    gw = build_gateway(cfg, "redis://127.0.0.1:9/0")  # nothing connects until used
+    worker = CollectorRegistry()
+    WorkerMetrics(worker, "small")
+    worker.register(EngineCollector(_fake_engine, "small"))
+    return exported_names(gw.registry) | exported_names(worker)
+
+
+def _dashboard_exprs(path: Path) -> list[str]:
+    doc = json.loads(path.read_text())
+    exprs = [t["expr"] for p in doc["panels"] for t in p["targets"]]
+    for var in doc["templating"]["list"]:
+        if var.get("type") == "query":
+            exprs.append(var["definition"])
+    return exprs
+
+
+def _rule_exprs() -> list[str]:
+    doc = yaml.safe_load((DASHBOARDS / "alerts.yml").read_text())
+    return [r["expr"] for g in doc["groups"] for r in g["rules"]]
+
+
+def test_dashboards_and_rules_use_only_exported_metrics(exported):
+    files = sorted(DASHBOARDS.glob("*.json"))
+    assert {f.name for f in files} >= {"tenant-usage.json", "fleet.json"}
+    exprs = [e for f in files for e in _dashboard_exprs(f)] + _rule_exprs()
+    used = {m for e in exprs for m in METRIC.findall(e)}
+    assert len(used) >= 20
+    unknown = sorted(used - exported)
+    assert not unknown, f"not exported by the code: {unknown}"
+    # Worker metrics are in use too, and the tenant dashboard has its tenant variable.
+    assert any(m.startswith("switchyard_worker_") for m in used)
+    tenant = json.loads((DASHBOARDS / "tenant-usage.json").read_text())
+    assert "tenant" in {v["name"] for v in tenant["templating"]["list"]}
+
+
+def test_dashboards_are_current_with_their_builder():
+    import runpy
+
+    module = runpy.run_path(str(DASHBOARDS / "build.py"))
+    for name, build in (("tenant-usage.json", "tenant_usage"), ("fleet.json", "fleet")):
+        assert json.loads((DASHBOARDS / name).read_text()) == module[build](), name
+
+
+def test_rules_are_valid_alerting_rules():
+    doc = yaml.safe_load((DASHBOARDS / "alerts.yml").read_text())
+    names = set()
+    for group in doc["groups"]:
+        assert set(group) == {"name", "rules"}
+        for rule in group["rules"]:
+            assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}
+            assert rule["alert"] and rule["expr"] and rule["labels"]["severity"]
+            names.add(rule["alert"])
+    wanted = {"QueueDepth", "TTFTP99", "ErrorRate", "WorkerStalled", "RedisErrors"}
+    assert all(any(w in n for n in names) for w in wanted), names
+    if os.environ.get("SWITCHYARD_SKIP_PROMTOOL") == "1":
+        return
+    promtool = shutil.which("promtool")
+    assert promtool, (
+        "promtool not found: scripts/setup.sh installs it (apt-get install prometheus); "
+        "SWITCHYARD_SKIP_PROMTOOL=1 skips this check explicitly"
+    )
+    for args in (["check", "rules", "alerts.yml"], ["check", "config", "prometheus.yml"]):
+        done = subprocess.run(
+            [promtool, *args], cwd=DASHBOARDS, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
