@@ -12,6 +12,7 @@ import threading
 import httpx
 import pytest
 
+from tests.support.waiting import eventually
 from tests.support.worker import running_worker
 from workers.validation import RequestLimits
 
@@ -31,17 +32,6 @@ def body(**kw) -> dict:
 
 def load(url: str) -> dict:
     return httpx.get(f"{url}/load").json()
-
-
-def wait_until(predicate, timeout_s: float = 10.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 class Call(threading.Thread):
@@ -110,7 +100,7 @@ def start_together(url: str, runner, payloads: list[dict]) -> list[Call]:
     try:
         assert gate.held.wait(30)
         calls = [Call(url, p) for p in payloads]
-        assert wait_until(lambda: load(url)["num_waiting"] == len(payloads))
+        assert eventually(lambda: load(url)["num_waiting"] == len(payloads))
     finally:
         gate.remove()
     blocker.join(30)
@@ -138,7 +128,7 @@ def test_a_request_failing_mid_batch_fails_alone_and_the_worker_stays_ready(demo
             assert gate.held.wait(30)  # three streams mid-generation, the engine held
             bad_stream = Call(w.url, body(prompt="a poisoned prompt", stream=True))
             bad_whole = Call(w.url, body(prompt="a poisoned prompt"))
-            assert wait_until(lambda: load(w.url)["num_waiting"] == 2)
+            assert eventually(lambda: load(w.url)["num_waiting"] == 2)
             gate.release.set()  # next step: three decodes and two poisoned prefills
             texts = [c.text() for c in calls]
             bad_whole.join(60)
@@ -149,7 +139,7 @@ def test_a_request_failing_mid_batch_fails_alone_and_the_worker_stays_ready(demo
         assert err["code"] == "request_failed" and "injected failure" in err["message"]
         assert bad_whole.response.status_code == 500
         assert bad_whole.response.json()["error"]["code"] == "request_failed"
-        assert wait_until(lambda: load(w.url)["kv_blocks_used"] == 0)
+        assert eventually(lambda: load(w.url)["kv_blocks_used"] == 0)
         assert load(w.url)["state"] == "ready"
         assert httpx.get(f"{w.url}/ready").status_code == 200
         again = httpx.post(f"{w.url}/v1/completions", json=goods[0] | {"stream": False})
@@ -262,7 +252,7 @@ def test_an_engine_that_dies_fails_in_flight_requests_answers_503_and_asks_to_ex
                 Call(w.url, body()),
                 Call(w.url, body(stream=True)),
             ]
-            assert wait_until(lambda: load(w.url)["num_waiting"] == 3)
+            assert eventually(lambda: load(w.url)["num_waiting"] == 3)
             gate.release.set()  # A fails alone; then B, C, D all fail alone: the device
             assert died.wait(30)
             first.join(30)

@@ -7,6 +7,7 @@ import time
 import httpx
 import pytest
 
+from tests.support.waiting import eventually
 from tests.support.worker import running_worker
 from workers.sampling_params import SamplingParams
 
@@ -19,15 +20,6 @@ def worker(demo_dir):
 
 def sse_events(lines) -> list[str]:
     return [line[len("data: ") :] for line in lines if line.startswith("data: ")]
-
-
-def wait_until(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def load(url: str) -> dict:
@@ -141,7 +133,7 @@ def test_streaming_disconnect_aborts_and_frees_kv(worker):
         assert load(worker.url)["kv_blocks_used"] > 0
         assert load(worker.url)["num_running"] == 1
     # Leaving the block closes the connection mid-stream.
-    assert wait_until(lambda: load(worker.url)["kv_blocks_used"] == 0)
+    assert eventually(lambda: load(worker.url)["kv_blocks_used"] == 0)
     assert load(worker.url)["num_running"] == 0
 
 
@@ -154,11 +146,11 @@ def test_non_streaming_disconnect_aborts_and_frees_kv(worker):
             httpx.post(f"{worker.url}/v1/completions", json=body, timeout=0.5)
         # The server noticed the disconnect and handed the engine an abort while the
         # request was still resident (finishing it normally would free KV too).
-        assert wait_until(lambda: worker.service.engine.pending_aborts() == 1)
+        assert eventually(lambda: worker.service.engine.pending_aborts() == 1)
     finally:
         worker.unstall()
-    assert wait_until(lambda: load(worker.url)["kv_blocks_used"] == 0)
-    assert wait_until(
+    assert eventually(lambda: load(worker.url)["kv_blocks_used"] == 0)
+    assert eventually(
         lambda: load(worker.url)["num_running"] == 0 and load(worker.url)["num_waiting"] == 0
     )
     # Aborted at the first step boundary: the held step's token at most, not 400.
@@ -226,9 +218,9 @@ def test_full_waiting_line_gets_503_with_jittered_retry_after(demo_dir):
         blocker = httpx.AsyncClient  # noqa: F841 (documentation: requests below stay resident)
         with httpx.Client(base_url=w.url, timeout=10) as c:
             first = _send_async(w.url, greedy_body(stream=True))
-            assert wait_until(lambda: load(w.url)["num_running"] + load(w.url)["num_waiting"] >= 1)
+            assert eventually(lambda: load(w.url)["num_running"] + load(w.url)["num_waiting"] >= 1)
             second = _send_async(w.url, greedy_body(stream=True))
-            assert wait_until(lambda: load(w.url)["num_waiting"] >= 1)
+            assert eventually(lambda: load(w.url)["num_waiting"] >= 1)
             refusals = [c.post("/v1/completions", json=greedy_body()) for _ in range(8)]
         assert all(r.status_code == 503 for r in refusals)
         assert all(r.json()["error"]["code"] == "server_overloaded" for r in refusals)
@@ -259,7 +251,7 @@ def test_burst_that_fits_the_batch_and_kv_is_never_refused(demo_dir):
         threads = [threading.Thread(target=one, daemon=True) for _ in range(64)]
         for t in threads:
             t.start()
-        assert wait_until(
+        assert eventually(
             lambda: (
                 (lambda s: s["num_running"] + s["num_waiting"])(load(w.url)) >= 64
                 or len(statuses) == 64
@@ -287,11 +279,11 @@ def test_ready_turns_503_when_the_engine_loop_stalls(demo_dir):
         assert httpx.get(f"{w.url}/ready").status_code == 200
         w.stall()
         t = _send_async(w.url, greedy_body())
-        assert wait_until(lambda: httpx.get(f"{w.url}/ready").status_code == 503, timeout_s=3)
+        assert eventually(lambda: httpx.get(f"{w.url}/ready").status_code == 503, timeout_s=3)
         assert load(w.url)["state"] == "stalled"
         assert httpx.get(f"{w.url}/health").status_code == 200  # the port still answers
         w.unstall()
-        assert wait_until(lambda: httpx.get(f"{w.url}/ready").status_code == 200)
+        assert eventually(lambda: httpx.get(f"{w.url}/ready").status_code == 200)
         t.join(10)
 
 

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tests.integration.gateway.conftest import gateway_stack
+from tests.support.waiting import eventually
 
 BODY = {"model": "small", "prompt": [5, 6, 7, 8], "max_tokens": 6}
 
@@ -160,16 +161,7 @@ def test_worker_dying_mid_stream_gives_an_in_band_error_and_done(stack):
     assert events[-1] == "[DONE]"
     assert "error" in json.loads(events[-2])
     # Charged what was generated (5 tokens) plus the prompt.
-    assert wait_for(lambda: stack.usage(key)["tokens_this_minute"] == 4 + 5)
-
-
-def wait_for(predicate, timeout_s: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
+    assert eventually(lambda: stack.usage(key)["tokens_this_minute"] == 4 + 5)
 
 
 def test_client_disconnect_reaches_the_worker_and_charges_what_was_used(stack):
@@ -183,9 +175,9 @@ def test_client_disconnect_reaches_the_worker_and_charges_what_was_used(stack):
             lines = s.iter_lines()
             for _ in range(3):
                 next(line for line in lines if line.startswith("data: "))
-    assert wait_for(lambda: backend.active == 0)
+    assert eventually(lambda: backend.active == 0)
     assert backend.aborted == 1
-    used = wait_for(lambda: 4 + 3 <= stack.usage(key)["tokens_this_minute"] <= 4 + 20)
+    used = eventually(lambda: 4 + 3 <= stack.usage(key)["tokens_this_minute"] <= 4 + 20)
     assert used, stack.usage(key)
 
 

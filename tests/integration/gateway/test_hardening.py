@@ -2,13 +2,12 @@
 operator's fields kept the operator's, prompts counted as the worker sees them, refusals
 with their real status (streams too), and nothing charged for what was not served."""
 
-import time
-
 import httpx
 import pytest
 
 from benchmarks.fake_backend import VOCAB_SIZE
 from tests.integration.gateway.conftest import gateway_stack
+from tests.support.waiting import eventually
 
 BODY = {"model": "small", "prompt": [5, 6, 7, 8], "max_tokens": 6}
 
@@ -17,15 +16,6 @@ def error_of(r: httpx.Response) -> dict:
     body = r.json()
     assert set(body["error"]) == {"message", "type", "param", "code"}, body
     return body["error"]
-
-
-def eventually(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 @pytest.mark.parametrize(
