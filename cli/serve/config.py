@@ -12,7 +12,6 @@ from cli.config_files import fill, read_yaml
 from gateway.config import GatewayConfig
 from workers.config import EngineConfig
 from workers.fleet.autoscaler import AutoscalerConfig
-from workers.service import WorkerConfig
 
 DEMO_MODELS = ("demo-small", "demo-large")  # `switchyard models make-demo` checkpoints
 
@@ -125,6 +124,8 @@ def check(cfg: ServeConfig, where: str) -> None:
         if not isinstance(pool.tensor_parallel, int) or pool.tensor_parallel < 1:
             raise SystemExit(f"{at}.tensor_parallel must be a whole number >= 1")
         fill(EngineConfig, pool.engine, f"{at}.engine")
+        from workers.service import WorkerConfig  # imports torch: only when validating
+
         fill(WorkerConfig, pool.worker, f"{at}.worker")
         scaler_keys = {f.name for f in fields(AutoscalerConfig)} - {"min_replicas", "max_replicas"}
         unknown = sorted(set(pool.autoscaler) - scaler_keys)
