@@ -138,6 +138,12 @@ def admin_router(gw: Gateway) -> Router:
             name: {
                 "waiting": pool.controller.num_waiting,
                 "workers": pool.snapshot(),
+                # The live view (/dashboard): streams' TTFT over the last minute, output
+                # tokens per second over the last 10 s, ready replicas.
+                "ttft_p50_s": pool.ttft_quantile_s(0.5),
+                "ttft_p99_s": pool.ttft_quantile_s(0.99),
+                "tokens_per_s": round(pool.tokens_per_s(), 2),
+                "ready_replicas": sum(v.state == "ready" for v in pool.views.values()),
                 **extra.get(name, {}),
             }
             for name, pool in gw.pools.items()

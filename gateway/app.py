@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.admin import admin_router
 from gateway.context import Gateway
+from gateway.dashboard import dashboard_routes
 from gateway.errors import exception_handlers
 from gateway.intake import authenticate
 from gateway.learning_api import learning_routes
@@ -80,6 +81,7 @@ def create_gateway_app(gw: Gateway) -> Litestar:
             completions,
             models,
             *usage_routes(gw),
+            *dashboard_routes(),
             health,
             ready,
             metrics,
