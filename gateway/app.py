@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import Litestar, Request, Response, get, post
+from litestar.openapi import OpenAPIConfig
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.admin import admin_router
@@ -91,6 +92,12 @@ def create_gateway_app(gw: Gateway) -> Litestar:
         exception_handlers=exception_handlers(gw.rng),
         lifespan=[lifespan],
         request_max_body_size=gw.config.max_body_bytes * 2,
+        openapi_config=OpenAPIConfig(
+            title="Switchyard gateway",
+            version="0.1.0",
+            description="OpenAI-compatible API, usage and the admin API (docs/admin-api.md). "
+            "Served at /schema/openapi.json.",
+        ),
     )
 
 

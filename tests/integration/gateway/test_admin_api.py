@@ -103,3 +103,14 @@ def test_patch_routing_changes_one_field_and_put_replaces(redis_url):
         assert r.json()["escalation"] == {} and r.json()["overflow_max_wait_s"] == 1.0
         audit = c.get("/admin/routing/audit").json()["data"]
         assert len(audit) == 6
+
+
+def test_the_openapi_schema_lists_the_admin_api(stack):
+    with stack.admin() as c:
+        doc = c.get("/schema/openapi.json").json()
+    assert doc["info"]["title"] == "Switchyard gateway"
+    paths = doc["paths"]
+    assert {"get", "put", "patch", "delete"} <= set(paths["/admin/tenants/{tenant_id}"])
+    assert {"get", "put", "patch"} <= set(paths["/admin/routing"])
+    for path in ("/admin/usage", "/admin/fleet", "/admin/tenants/{tenant_id}/keys", "/v1/usage"):
+        assert "get" in paths[path], path
