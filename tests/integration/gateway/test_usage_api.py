@@ -131,3 +131,29 @@ def test_a_client_that_leaves_and_a_quota_refusal_show_in_usage_and_metrics(redi
         )
         assert 'switchyard_gateway_queue_depth{pool="small"}' in text
         assert key.split("-")[1] not in text and key not in text
+
+
+def test_a_stream_cut_by_the_worker_and_a_client_that_leaves_are_recorded(stack):
+    key = stack.tenant("cuts")
+    stack.backends["small0"].mode = "die_mid_stream"
+    with stack.client(key) as c:
+        body = {**BODY, "max_tokens": 10, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200 and "[DONE]" in r.read().decode()
+    [cut] = wait_for(lambda: recent(stack, key, 1))
+    assert cut["status"] == 502 and (cut["prompt_tokens"], cut["completion_tokens"]) == (4, 5)
+
+    stack.backends["small0"].mode = "ok"
+    stack.backends["small0"].token_delay_s = 0.05
+    with stack.client(key) as c:
+        body = {**BODY, "max_tokens": 50, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # the client leaves after the first token
+    lines = wait_for(lambda: recent(stack, key, 2))
+    gone = lines[0]
+    assert gone["status"] == 499 and 1 <= gone["completion_tokens"] < 50
+    with stack.client(key) as c:
+        [row] = c.get("/v1/usage", params={"group_by": "model"}).json()["data"]
+    assert row["requests"] == 2 and row["errors"] == 2

@@ -141,3 +141,37 @@ def test_escalation_settings_fall_back_to_star_then_disabled() -> None:
     s.escalation["acme"] = EscalationSettings(enabled=False)
     assert not escalation_for(s, "acme").enabled
     assert not escalation_for(RoutingSettings(), "acme").enabled
+
+
+def test_merge_settings_keeps_what_a_patch_leaves_out_and_null_resets():
+    from cascade.policy import merge_settings
+
+    current = settings_to_dict(
+        settings_from_dict(
+            {
+                "tenant_thresholds": {"a": 0.2, "b": 0.4},
+                "overflow_max_wait_s": 9.0,
+                "escalation": {"*": {"enabled": True}},
+            }
+        )
+    )
+    merged = merge_settings(
+        current,
+        {
+            "tenant_thresholds": {"a": None, "c": 0.7},
+            "escalation": {"*": {"min_mean_logprob": -2.0}},
+            "overflow_max_wait_s": None,
+            "version": 99,
+        },
+    )
+    s = settings_from_dict(merged)
+    assert s.tenant_thresholds == {"b": 0.4, "c": 0.7}
+    assert s.escalation["*"].enabled is True and s.escalation["*"].min_mean_logprob == -2.0
+    assert s.overflow_max_wait_s == 5.0  # null: the default
+    assert s.version == 0  # not patchable
+    assert (
+        settings_from_dict(
+            merge_settings(current, {"default_threshold": 0.6})
+        ).default_target_fraction
+        is None
+    )
