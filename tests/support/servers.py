@@ -104,7 +104,7 @@ def gateway_proc(
     workdir: Path,
     port: int | None = None,
     *,
-    ready_timeout_s: float = 30.0,
+    ready_timeout_s: float = 90.0,  # a loaded CI box can take long to import torch
     wait_for: str = "/ready",
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """A `switchyard gateway` process with this config (the `gateway:` section); yields

@@ -216,7 +216,7 @@ def test_full_queue_is_503_with_retry_after_and_deadline_never_reaches_a_worker(
             )
         )
         blocker.start()
-        time.sleep(0.1)
+        assert eventually(lambda: backend.active == 1)  # the one slot is taken
         total_before = backend.total
         with s.client(key) as c:
             r = c.post("/v1/completions", json=BODY, headers={"x-request-timeout": "0.2"})
