@@ -14,6 +14,7 @@ import pytest
 
 from tests.support.waiting import eventually
 from tests.support.worker import running_worker
+from tests.support.worker_client import load
 from workers.validation import RequestLimits
 
 PROMPTS = ["The history of", "import os and sys", "A long time ago in"]
@@ -28,10 +29,6 @@ def body(**kw) -> dict:
         "ignore_eos": True,
         **kw,
     }
-
-
-def load(url: str) -> dict:
-    return httpx.get(f"{url}/load").json()
 
 
 class Call(threading.Thread):

@@ -9,6 +9,7 @@ import pytest
 
 from tests.support.waiting import eventually
 from tests.support.worker import running_worker
+from tests.support.worker_client import load
 from workers.sampling_params import SamplingParams
 
 
@@ -20,10 +21,6 @@ def worker(demo_dir):
 
 def sse_events(lines) -> list[str]:
     return [line[len("data: ") :] for line in lines if line.startswith("data: ")]
-
-
-def load(url: str) -> dict:
-    return httpx.get(f"{url}/load").json()
 
 
 def greedy_body(**kw) -> dict:

@@ -1,0 +1,27 @@
+"""The tests read workers through the same client as the gateway and the supervisor
+(`workers.api.WorkerClient`), so a change to the wire contract breaks them too."""
+
+import asyncio
+from typing import Any
+
+import httpx
+import msgspec
+
+from workers.api import LoadReport, WorkerClient
+
+
+async def _load(url: str) -> LoadReport | None:
+    async with httpx.AsyncClient() as http:
+        return await WorkerClient(http).load(url, timeout_s=5.0)
+
+
+def load_report(url: str) -> LoadReport:
+    """The worker's `/load` as the typed report; AssertionError when it has none."""
+    report = asyncio.run(_load(url))
+    assert report is not None, f"{url}/load did not answer with a LoadReport"
+    return report
+
+
+def load(url: str) -> dict[str, Any]:
+    """`load_report` as a dict, for tests that index it."""
+    return msgspec.structs.asdict(load_report(url))
