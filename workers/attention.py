@@ -23,6 +23,8 @@ class PrefillSeq:
     num_context: int  # tokens already in the cache before this chunk
     # Blocks holding its num_context + num_tokens keys; None when there is no context.
     block_ids: torch.Tensor | None
+    # Offset-causal mask, built by the first layer and reused by the others.
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -38,6 +40,7 @@ class AttentionMetadata:
     num_workspace_decodes: int = 0
     workspace: DecodeWorkspace | None = None
     workspace_positions: torch.Tensor | None = None  # [n] position of each new token
+    workspace_slots: torch.Tensor | None = None  # [n] flat workspace slot of each new token
     workspace_mask: torch.Tensor | None = None  # [n, T] True = attend
     # Decodes that gather their blocks from the paged cache.
     num_gather_decodes: int = 0
@@ -80,8 +83,8 @@ def paged_attention(
     nw, ng = meta.num_workspace_decodes, meta.num_gather_decodes
     if nw:
         ws, mask = meta.workspace, meta.workspace_mask
-        assert ws is not None and mask is not None and meta.workspace_positions is not None
-        ws.append(layer, k[:nw], v[:nw], meta.workspace_positions)
+        assert ws is not None and mask is not None and meta.workspace_slots is not None
+        ws.append(layer, k[:nw], v[:nw], meta.workspace_slots)
         keys, values = ws.view(layer, nw, mask.shape[1])
         out[:nw] = _grouped_decode(q[:nw], keys, values, mask, scale, group)
     if ng:
@@ -169,11 +172,12 @@ def _prefill_attention(
             num_kv_heads, -1, head_dim
         )
     total = keys.shape[1]
-    # Query i (at position num_context + i) sees keys 0 .. num_context + i.
-    q_pos = torch.arange(n, device=q.device).repeat(group) + seq.num_context
-    mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
+    if seq.mask is None:
+        # Query i (at position num_context + i) sees keys 0 .. num_context + i.
+        q_pos = torch.arange(n, device=q.device).repeat(group) + seq.num_context
+        seq.mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
     attn = F.scaled_dot_product_attention(
-        query, keys[None], values[None], attn_mask=mask[None, None], scale=scale
+        query, keys[None], values[None], attn_mask=seq.mask[None, None], scale=scale
     )
     return (
         attn.view(num_kv_heads, group, n, head_dim)

@@ -69,11 +69,17 @@ class DecodeWorkspace:
             self._fill(new, request_ids, num_context, block_tables, kv_caches, block_size)
         return sorted(range(len(request_ids)), key=lambda i: self.rows[request_ids[i]])
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        """Write the rows' new K/V ([rows, kv_heads, dim], in row order) at `positions`."""
-        rows = torch.arange(k.shape[0], device=k.device)
-        self.k[layer][:, rows, positions] = k.transpose(0, 1)
-        self.v[layer][:, rows, positions] = v.transpose(0, 1)
+    def slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """Flat slots (row * max_tokens + position) of rows 0..n-1 at `positions`: computed
+        once per step, used by every layer's `append`."""
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        return rows * self.max_tokens + positions
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write the rows' new K/V ([rows, kv_heads, dim], in row order) at `slots`."""
+        h, d = self.num_kv_heads, self.head_dim
+        self.k[layer].view(h, -1, d).index_copy_(1, slots, k.transpose(0, 1))
+        self.v[layer].view(h, -1, d).index_copy_(1, slots, v.transpose(0, 1))
 
     def commit(self, request_ids_in_row_order: list[str]) -> None:
         """After the forward pass: each row gained its step's token."""

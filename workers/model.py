@@ -87,8 +87,14 @@ class RotaryEmbedding:
         self.sin = emb.sin().to(dtype)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        return self.apply(q, k, *self.lookup(positions))
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ([tokens, 1, dim]) of a step's positions: once per step, not layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -150,6 +156,7 @@ class CausalLM:
         eps = cfg.rms_norm_eps
         n = input_ids.shape[0]
         h = F.embedding(input_ids, w.embed) if tp is None else tp.embed(input_ids, w.embed)
+        cos, sin = self.rotary.lookup(positions)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(w.layers, kv_caches, strict=True)):
             x = rms_norm(h, layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
@@ -160,7 +167,7 @@ class CausalLM:
             if layer.q_norm is not None:
                 q = rms_norm(q, layer.q_norm, eps)
                 k = rms_norm(k, layer.k_norm, eps)
-            q, k = self.rotary(q, k, positions)
+            q, k = self.rotary.apply(q, k, cos, sin)
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             attn = paged_attention(q, k, v, i, k_cache, v_cache, meta, block_size, self.scale)
             o = F.linear(attn, layer.o)

@@ -289,6 +289,7 @@ class ModelRunner:
             meta.num_workspace_decodes = num_ws
             meta.workspace = self.workspace
             meta.workspace_positions = positions
+            meta.workspace_slots = self.workspace.slots(positions)
             meta.workspace_mask = _length_mask(positions + 1, max(computed) + 1)
         gather = [r for r, _ in batch[num_ws:num_decodes]]
         if gather:
