@@ -60,9 +60,14 @@ async def authenticate_key(gw: Gateway, request: Request) -> tuple[str | None, T
         )
     plaintext = header[7:].strip()
     digest = hashlib.blake2b(plaintext.encode(), digest_size=16).digest()
+    t0 = time.perf_counter()
     try:
         found = await gw.store.authenticate(plaintext)
+        if gw.metrics is not None:
+            gw.metrics.redis_latency.labels("auth").observe(time.perf_counter() - t0)
     except Exception as exc:
+        if gw.metrics is not None:
+            gw.metrics.redis_errors.labels("auth").inc()
         cached = gw.known_keys.get(digest)
         if cached is not None and time.monotonic() - cached[1] < gw.config.known_key_ttl_s:
             return cached[0]  # (key id, tenant) as last seen
