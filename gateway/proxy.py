@@ -41,6 +41,9 @@ async def handle(gw: Gateway, request: Request, chat: bool) -> Response | EventS
         response = await _handle(gw, request, chat, labels, owner)
         status = response.status_code or 200  # a Stream's status is set when it is sent
         return response
+    except asyncio.CancelledError:
+        status = 499  # the client left before an answer began
+        raise
     except Exception as exc:
         status = to_api_error(exc, gw.rng).status
         if isinstance(exc, QuotaExceeded) and gw.metrics is not None and "tenant" in owner:
