@@ -167,7 +167,7 @@ def test_shadow_labels_retrain_and_promotion_move_the_split_toward_the_rule(redi
         with s.admin() as a:
             assert a.get("/admin/routing/labels/intruder").json()["num_labels"] == 0
         # Shadow runs are the operator's, never the tenant's: usage counts routed answers only.
-        assert s.usage(key)["tokens_this_minute"] == sum(spent)
+        assert s.usage(key)["tokens_today"] == sum(spent)  # (a minute window may roll over)
         assert s.backends["small0"].total + s.backends["large0"].total == 2 * len(spent)
         metrics = httpx.get(f"{s.url}/metrics").text
         assert 'switchyard_cascade_shadow_runs_total{outcome="run"}' in metrics
