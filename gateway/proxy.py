@@ -238,6 +238,9 @@ async def _events_after(gw: Gateway, flight: Flight, attempt: Attempt, opening: 
                 yield b": queued\n\n"
         try:
             upstream = opening.result()
+        except DeadlineExceeded as exc:
+            yield _error_event(deadline_error(exc, flight.client_deadline, gw.rng), flight)
+            return
         except Exception as exc:
             yield _error_event(to_api_error(exc, gw.rng), flight)
             return
