@@ -73,6 +73,8 @@ def add_admin_parser(sub: Any) -> None:
     p.add_argument("tenant")
     p.add_argument("--name")
     p.add_argument("--expires-in", type=float, default=None, metavar="DAYS")
+    for limit in LIMITS:  # the key's own limits, on top of its tenant's
+        p.add_argument(f"--{limit.replace('_', '-')}", dest=limit, type=int, default=None)
     k.add_parser("list", parents=[common]).add_argument("tenant")
     k.add_parser("revoke", parents=[common]).add_argument("key_id")
 
@@ -195,6 +197,9 @@ def _run(args: argparse.Namespace, c: Any) -> int:  # noqa: C901 (one dispatch t
                 import time
 
                 body["expires_at"] = time.time() + args.expires_in * 86400
+            own = {k: getattr(args, k, None) for k in LIMITS}
+            if any(v is not None for v in own.values()):
+                body["limits"] = {k: v for k, v in own.items() if v is not None}
             r = c.post(f"/tenants/{args.tenant}/keys", json=body)
         elif op == "list":
             r = c.get(f"/tenants/{args.tenant}/keys")

@@ -9,7 +9,13 @@ from litestar import Request, Router, delete, get, patch, post, put
 from litestar.params import FromPath
 
 from cascade.policy import InvalidRouting, merge_settings, settings_to_dict
-from gateway.admin_docs import TENANT_FIELDS, check_fields, new_tenant, tenant_patch
+from gateway.admin_docs import (
+    TENANT_FIELDS,
+    check_fields,
+    limits_of,
+    new_tenant,
+    tenant_patch,
+)
 from gateway.context import Gateway
 from quota.errors import TenantNotFound
 from workers.api import ApiError, check_json_depth
@@ -113,7 +119,12 @@ def admin_router(gw: Gateway) -> Router:
         name = body.get("name")
         if name is not None and not isinstance(name, str):
             raise ApiError(400, "name must be a string", param="name")
-        issued = await gw.store.create_key(tenant_id, name, expires)
+        unknown = sorted(set(body) - {"name", "expires_at", "limits"})
+        if unknown:
+            raise ApiError(400, f"unknown field {unknown[0]!r}", param=unknown[0])
+        # The key's own limits (a request must fit them and its tenant's); none: tenant's.
+        limits = limits_of(body["limits"]) if body.get("limits") is not None else None
+        issued = await gw.store.create_key(tenant_id, name, expires, limits)
         return {**asdict(issued.record), "key": issued.plaintext}
 
     @get("/tenants/{tenant_id:str}/keys")

@@ -55,6 +55,7 @@ class Flight:
         self.finished = False
         self.started_at = time.monotonic()
         self.client_deadline = False  # the deadline is the client's (x-request-timeout)
+        self.key_reservation: Reservation | None = None  # under the key's own limits
         self.abort_error: Exception | None = None  # why the gateway cut this request short
         self.aborted = asyncio.Event()
         self.on_finish: Callable[[], None] | None = None  # after settling (the access log)
@@ -117,6 +118,8 @@ class Flight:
                 self._close(a.upstream)
             a.lease.release(served=a.served.accepted)
         self.gw.reconcile_later(self.reservation, self.charged_tokens, self)
+        if self.key_reservation is not None:  # the key's own windows: the same charge
+            self.gw.reconcile_later(self.key_reservation, self.charged_tokens)
         if self.on_finish is not None:
             self.on_finish()
 

@@ -25,7 +25,7 @@ from gateway.plan import (
     timeout_of,
 )
 from quota.limiter import RateLimitState
-from quota.models import Tenant
+from quota.models import Tenant, TenantLimits
 from workers.api import ApiError, check_json_depth, check_request, decode_request
 
 log = logging.getLogger(__name__)
@@ -51,8 +51,17 @@ async def authenticate(gw: Gateway, request: Request) -> Tenant:
 
 
 async def authenticate_key(gw: Gateway, request: Request) -> tuple[str | None, Tenant]:
-    """The caller's tenant. While Redis is unreachable, only a key that authenticated in
-    the last `known_key_ttl_s` is accepted (as it was then): never an unknown key."""
+    """The caller's key id and tenant (see `authenticate_caller`)."""
+    key_id, tenant, _ = await authenticate_caller(gw, request)
+    return key_id, tenant
+
+
+async def authenticate_caller(
+    gw: Gateway, request: Request
+) -> tuple[str | None, Tenant, TenantLimits | None]:
+    """The caller's key id, tenant and the key's own limits. While Redis is unreachable,
+    only a key that authenticated in the last `known_key_ttl_s` is accepted (as it was
+    then): never an unknown key."""
     header = request.headers.get("authorization", "")
     if not header.lower().startswith("bearer "):
         raise ApiError(
@@ -70,7 +79,7 @@ async def authenticate_key(gw: Gateway, request: Request) -> tuple[str | None, T
             gw.metrics.redis_errors.labels("auth").inc()
         cached = gw.known_keys.get(digest)
         if cached is not None and time.monotonic() - cached[1] < gw.config.known_key_ttl_s:
-            return cached[0]  # (key id, tenant) as last seen
+            return cached[0]  # (key id, tenant, key limits) as last seen
         log.warning("key lookup failed and the key is not known: %r", exc)
         raise ApiError(
             503,
@@ -84,8 +93,22 @@ async def authenticate_key(gw: Gateway, request: Request) -> tuple[str | None, T
         raise ApiError(401, "invalid API key", code="invalid_api_key")
     if len(gw.known_keys) > 100_000:
         gw.known_keys.clear()
-    gw.known_keys[digest] = ((found[0].key_id, found[1]), time.monotonic())
-    return found[0].key_id, found[1]
+    caller = (found[0].key_id, found[1], found[0].limits)
+    gw.known_keys[digest] = (caller, time.monotonic())
+    return caller
+
+
+def key_quota_holder(tenant: Tenant, key_id: str, limits: TenantLimits) -> Tenant:
+    """A key's own limits as a quota holder of their own: its windows, slots and pending
+    records live under `sy:{key.<key_id>}`, apart from its tenant's."""
+    return Tenant(
+        tenant_id=f"key.{key_id}",
+        name=f"key {key_id} of {tenant.tenant_id}",
+        limits=limits,
+        allowed_models=[],
+        allow_overflow=True,
+        created_at=0.0,
+    )
 
 
 def decode(raw: bytes, chat: bool, cfg: GatewayConfig) -> PublicRequest:

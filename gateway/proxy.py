@@ -17,7 +17,14 @@ from gateway.completion import json_response
 from gateway.context import Gateway
 from gateway.errors import deadline_error, error_response, to_api_error
 from gateway.flight import Flight
-from gateway.intake import authenticate_key, decode, prepare, ratelimit_headers
+from gateway.intake import (
+    authenticate_caller,
+    decode,
+    key_quota_holder,
+    prepare,
+    ratelimit_headers,
+)
+from gateway.plan import check_context
 from gateway.streaming import stream_response
 from quota.errors import QuotaExceeded
 from workers.api import ApiError, EventStream
@@ -104,17 +111,31 @@ async def _handle(
     gw: Gateway, request: Request, chat: bool, labels: list[str], owner: dict
 ) -> Response | EventStream:
     arrived = time.perf_counter()
-    key_id, tenant = await authenticate_key(gw, request)
+    key_id, tenant, own_limits = await authenticate_caller(gw, request)
     owner["tenant"] = tenant.tenant_id
     req = decode(await read_body(request, gw.config.body_timeout_s), chat, gw.config)
     if gw.router is not None:
         await gw.router.refresh()
     plan = prepare(gw, tenant, key_id, req, chat, request.headers.get("x-request-timeout"))
     labels[:] = [plan.pool, plan.route]
+    if own_limits is not None:
+        check_context(plan.prompt_tokens, plan.max_tokens, own_limits.max_context, None)
     if gw.learner is not None:
         gw.learner.on_plan(gw, plan, req)
     t_reserve = time.perf_counter()
     reservation, state = await gw.limiter.reserve(tenant, plan.request_id, plan.reserve_tokens)
+    key_reservation = None
+    if own_limits is not None and key_id is not None:
+        # The key's own limits: a second reservation under the key; refused, it leaves
+        # nothing behind (the tenant's reservation is released, charged 0).
+        try:
+            key_reservation, key_state = await gw.limiter.reserve(
+                key_quota_holder(tenant, key_id, own_limits), plan.request_id, plan.reserve_tokens
+            )
+        except BaseException:
+            gw.reconcile_later(reservation, 0)
+            raise
+        state = key_state if key_state.limit_tokens is not None else state
     if gw.metrics is not None:
         now = time.perf_counter()
         gw.metrics.redis_latency.labels("reserve").observe(now - t_reserve)
@@ -131,6 +152,7 @@ async def _handle(
         headers["x-switchyard-score"] = f"{plan.score:.4f}"
         headers["x-switchyard-threshold"] = f"{plan.threshold:.4f}"
     flight = Flight(gw, plan, req, reservation)
+    flight.key_reservation = key_reservation
     flight.key_id = key_id
     flight.arrived_at = arrived
     owner["flight"] = flight

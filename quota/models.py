@@ -43,6 +43,9 @@ class ApiKeyRecord:
     created_at: float  # unix seconds
     expires_at: float | None  # unix seconds; None = never expires
     revoked: bool
+    # The key's own limits, counted over this key's requests only, on top of its tenant's
+    # (a request must fit both). None: only the tenant's limits apply.
+    limits: "TenantLimits | None" = None
 
 
 @dataclass

@@ -64,7 +64,10 @@ def _tenant_from_doc(doc: dict[str, Any]) -> Tenant:
 
 def _key_from_doc(doc: dict[str, Any]) -> ApiKeyRecord:
     fields = ApiKeyRecord.__dataclass_fields__
-    return ApiKeyRecord(**{k: v for k, v in doc.items() if k in fields})
+    record = ApiKeyRecord(**{k: v for k, v in doc.items() if k in fields})
+    if isinstance(record.limits, dict):
+        record.limits = TenantLimits(**record.limits)
+    return record
 
 
 def _loads(raw: bytes | str | None) -> dict[str, Any] | None:
@@ -174,9 +177,17 @@ class TenantStore:
 
     @_unavailable_on_redis_error
     async def create_key(
-        self, tenant_id: str, name: str | None = None, expires_at: float | None = None
+        self,
+        tenant_id: str,
+        name: str | None = None,
+        expires_at: float | None = None,
+        limits: TenantLimits | None = None,
     ) -> IssuedKey:
-        """Issue a key. `expires_at`: unix seconds, None = never. Raises TenantNotFound."""
+        """Issue a key. `expires_at`: unix seconds, None = never. `limits`: the key's own
+        limits (see ApiKeyRecord), None = the tenant's only. Raises TenantNotFound, or
+        InvalidLimits for a bad limit."""
+        if limits is not None:
+            limits = validate_limits(limits)
         if expires_at is not None and (
             not isinstance(expires_at, int | float) or isinstance(expires_at, bool)
         ):
@@ -196,6 +207,7 @@ class TenantStore:
                 created_at=self._clock(),
                 expires_at=None if expires_at is None else float(expires_at),
                 revoked=False,
+                limits=limits,
             )
             doc = {
                 **asdict(record),
