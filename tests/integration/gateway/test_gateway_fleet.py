@@ -20,6 +20,7 @@ from gateway.process import build_gateway
 from quota.apikeys import format_key, new_key_id, new_secret
 from tests.integration.gateway.conftest import ADMIN, Stack, gateway_stack
 from tests.support.servers import gateway_process, serving
+from tests.support.waiting import eventually
 from tests.support.worker import free_port, running_worker
 
 BODY = {"model": "small", "prompt": [5, 6, 7, 8], "max_tokens": 6}
@@ -49,7 +50,8 @@ def test_shared_system_prompt_sticks_to_one_replica(redis_url):
 def test_draining_and_unreachable_workers_leave_the_rotation(redis_url):
     with gateway_stack(redis_url, replicas={"small": 2}) as s:
         s.backends["small0"].state = "draining"
-        time.sleep(0.3)  # a few load polls
+        views = s.gateway.pools["small"].views.values()
+        assert eventually(lambda: sorted(v.state for v in views) == ["draining", "ready"])
         key = s.tenant("drain")
         with s.client(key) as c:
             assert all(c.post("/v1/completions", json=BODY).status_code == 200 for _ in range(5))
@@ -211,7 +213,9 @@ def test_two_gateway_processes_never_admit_more_than_the_limit(redis_url, tmp_pa
             # window rolling over in the middle of the burst.
             key = s.tenant("race", tokens_per_day=limit)
             codes = asyncio.run(_burst(urls, key, 300))
-            time.sleep(0.3)  # reconciles run after the responses
+            # Reconciles run after the responses: wait until the day's counter is settled.
+            settled = limit // cost * cost
+            eventually(lambda: s.usage(key)["tokens_today"] == settled)
             usage = s.usage(key)
     assert codes.count(200) == limit // cost
     assert codes.count(429) == 300 - limit // cost
