@@ -50,13 +50,13 @@ def _engine(ckpt: str, *, num_blocks: int, budget: int, max_seqs: int, **kw: Any
     return LLMEngine.from_pretrained(ckpt, cfg)
 
 
-def _params(max_tokens: int):
+def greedy_params(max_tokens: int):
     from workers.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def _drive(engine, times: dict[str, list[float]]) -> None:
+def drive(engine, times: dict[str, list[float]]) -> None:
     """Step until idle, stamping each new token with the wall time of its step."""
     while engine.has_unfinished_requests():
         outs = engine.step()
@@ -66,7 +66,7 @@ def _drive(engine, times: dict[str, list[float]]) -> None:
                 times.setdefault(o.request_id, []).append(now)
 
 
-def _timing_summary(t0: float, times: dict[str, list[float]], elapsed: float) -> dict[str, float]:
+def timing_summary(t0: float, times: dict[str, list[float]], elapsed: float) -> dict[str, float]:
     ttft = [ts[0] - t0 for ts in times.values()]
     itl = [b - a for ts in times.values() for a, b in zip(ts, ts[1:], strict=False)]
     n = sum(len(ts) for ts in times.values())
@@ -125,15 +125,15 @@ def run_switchyard(spec: dict) -> dict:
         max_seqs=len(work),
         dtype=dtype,
     )
-    engine.generate([work[0][0][:32]], _params(4))  # warm-up
+    engine.generate([work[0][0][:32]], greedy_params(4))  # warm-up
     before = measure_machine(dtype)
     meter = CostMeter(engine)
     t0 = time.perf_counter()
     for i, (prompt, n) in enumerate(work):
-        engine.add_request(f"r{i}", prompt_token_ids=prompt, params=_params(n))
+        engine.add_request(f"r{i}", prompt_token_ids=prompt, params=greedy_params(n))
     times: dict[str, list[float]] = {}
-    _drive(engine, times)
-    out = _timing_summary(t0, times, time.perf_counter() - t0)
+    drive(engine, times)
+    out = timing_summary(t0, times, time.perf_counter() - t0)
     out["num_preemptions"] = engine.scheduler.num_preemptions
     machine = measure_machine(dtype, before)
     roof = sum(roofline_s(c, machine) for c in meter.steps)
@@ -233,7 +233,7 @@ def run_hf_generate_batch(spec: dict) -> dict:
         elapsed = time.perf_counter() - t0
     times = {rid: list(r.timestamps or []) for rid, r in results.items()}
     errors = [r.error for r in results.values() if r.error]
-    out = _timing_summary(t0, times, elapsed)
+    out = timing_summary(t0, times, elapsed)
     out["errors"] = errors[:3]
     out["output_tokens"] = sum(len(r.generated_tokens) for r in results.values())
     out["tokens_per_s"] = out["output_tokens"] / elapsed
@@ -254,7 +254,7 @@ def _decode_point(spec: dict, batch: int, machine: Machine) -> dict:
     vocab = engine.runner.model_config.vocab_size
     for i in range(batch):
         prompt = torch.randint(3, vocab, (ctx,), generator=gen).tolist()
-        engine.add_request(f"d{i}", prompt_token_ids=prompt, params=_params(steps + 4))
+        engine.add_request(f"d{i}", prompt_token_ids=prompt, params=greedy_params(steps + 4))
     while engine.scheduler.num_running < batch or any(
         r.num_output_tokens == 0 for r in engine.scheduler.running
     ):
@@ -294,7 +294,7 @@ def _prefill_point(spec: dict, machine: Machine) -> dict:
     prompt = torch.randint(3, engine.runner.model_config.vocab_size, (n,), generator=gen).tolist()
     times = []
     for i in range(3):
-        engine.add_request(f"p{i}", prompt_token_ids=prompt, params=_params(1))
+        engine.add_request(f"p{i}", prompt_token_ids=prompt, params=greedy_params(1))
         t = time.perf_counter()
         engine.step()  # the whole prompt, and its first token
         times.append(time.perf_counter() - t)
@@ -346,16 +346,16 @@ def run_prefix(spec: dict) -> dict:
             max_seqs=64,
             enable_prefix_caching=caching,
         )
-        engine.generate([prefix + suffixes[0]], _params(2))  # the prefix has been seen before
+        engine.generate([prefix + suffixes[0]], greedy_params(2))  # the prefix has been seen before
         computed_before = engine.num_prompt_tokens_computed
         t0 = time.perf_counter()
         for i, s in enumerate(suffixes):
             engine.add_request(
-                f"p{i}", prompt_token_ids=prefix + s, params=_params(spec["max_tokens"])
+                f"p{i}", prompt_token_ids=prefix + s, params=greedy_params(spec["max_tokens"])
             )
         times: dict[str, list[float]] = {}
-        _drive(engine, times)
-        summary = _timing_summary(t0, times, time.perf_counter() - t0)
+        drive(engine, times)
+        summary = timing_summary(t0, times, time.perf_counter() - t0)
         summary["prefill_tokens_computed"] = engine.num_prompt_tokens_computed - computed_before
         summary["prompt_tokens"] = sum(len(prefix) + len(s) for s in suffixes)
         out["cached" if caching else "uncached"] = summary
@@ -377,7 +377,9 @@ def run_chunked(spec: dict) -> dict:
             enable_chunked_prefill=chunked,
         )
         for i, p in enumerate(spec["streams"]):
-            engine.add_request(f"s{i}", prompt_token_ids=p, params=_params(spec["stream_tokens"]))
+            engine.add_request(
+                f"s{i}", prompt_token_ids=p, params=greedy_params(spec["stream_tokens"])
+            )
         times: dict[str, list[float]] = {}
         for _ in range(spec["warm_steps"]):
             outs = engine.step()
@@ -385,8 +387,8 @@ def run_chunked(spec: dict) -> dict:
             for o in outs:
                 times.setdefault(o.request_id, []).append(now)
         arrival = time.perf_counter()
-        engine.add_request("long", prompt_token_ids=spec["long_prompt"], params=_params(4))
-        _drive(engine, times)
+        engine.add_request("long", prompt_token_ids=spec["long_prompt"], params=greedy_params(4))
+        drive(engine, times)
         gaps = [
             b - a
             for rid, ts in times.items()
@@ -415,11 +417,13 @@ def run_chunked(spec: dict) -> dict:
 def run_ttft_probe(spec: dict) -> dict:
     """Unloaded time to first token: one request at a time, in-process."""
     engine = _engine(spec["ckpt"], num_blocks=512, budget=2048, max_seqs=8)
-    engine.generate([spec["prompts"][0]], _params(2))  # warm-up
+    engine.generate([spec["prompts"][0]], greedy_params(2))  # warm-up
     ttft = []
     for i, prompt in enumerate(spec["prompts"]):
         t0 = time.perf_counter()
-        engine.add_request(f"t{i}", prompt_token_ids=prompt, params=_params(spec["max_tokens"]))
+        engine.add_request(
+            f"t{i}", prompt_token_ids=prompt, params=greedy_params(spec["max_tokens"])
+        )
         first = None
         while engine.has_unfinished_requests():
             outs = engine.step()

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.engine_bench import make_bench_checkpoint, make_workload
-from benchmarks.stats import LATENCY_COLUMNS, latency_summary, markdown_table, write_report
+from benchmarks.engine_systems import drive, greedy_params, timing_summary
+from benchmarks.stats import LATENCY_COLUMNS, markdown_table, write_report
 
 log = logging.getLogger(__name__)
 
@@ -60,35 +61,21 @@ def _engine(spec: dict):
     )
 
 
-def _params(max_tokens: int):
-    from workers.sampling_params import SamplingParams
-
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
 def run_one(spec: dict) -> dict:
     """Throughput over the workload (all requests at once), then batch-1 decode steps."""
     engine, launcher = _engine(spec)
     try:
         work = spec["workload"]
-        engine.generate([work[0][0][:32]], _params(4))  # warm-up
+        engine.generate([work[0][0][:32]], greedy_params(4))  # warm-up
         t0 = time.perf_counter()
         for i, (prompt, n) in enumerate(work):
-            engine.add_request(f"r{i}", prompt_token_ids=prompt, params=_params(n))
+            engine.add_request(f"r{i}", prompt_token_ids=prompt, params=greedy_params(n))
         times: dict[str, list[float]] = {}
-        while engine.has_unfinished_requests():
-            outs = engine.step()
-            now = time.perf_counter()
-            for o in outs:
-                if o.new_token_ids:
-                    times.setdefault(o.request_id, []).append(now)
-        elapsed = time.perf_counter() - t0
-        n_out = sum(len(ts) for ts in times.values())
-        ttft = [ts[0] - t0 for ts in times.values()]
-        itl = [b - a for ts in times.values() for a, b in zip(ts, ts[1:], strict=False)]
+        drive(engine, times)
+        timing = timing_summary(t0, times, time.perf_counter() - t0)
         # One sequence decoding alone: the per-step cost with the least compute to hide it.
         steps = spec["single_steps"]
-        engine.add_request("one", prompt_token_ids=work[0][0][:64], params=_params(steps + 1))
+        engine.add_request("one", prompt_token_ids=work[0][0][:64], params=greedy_params(steps + 1))
         engine.step()  # prefill
         s0 = time.perf_counter()
         for _ in range(steps):
@@ -101,11 +88,8 @@ def run_one(spec: dict) -> dict:
             "threads_per_rank": engine.runner.num_threads,
             "kv_tokens": engine.runner.kv_capacity_tokens,
             "kv_gib_per_rank": sum(k.nbytes + v.nbytes for k, v in engine.runner.kv_caches) / 2**30,
-            "output_tokens": n_out,
-            "elapsed_s": elapsed,
-            "tokens_per_s": n_out / elapsed,
             "single_decode_step_ms": single_ms,
-            **latency_summary(ttft, itl),
+            **timing,
         }
     finally:
         if launcher is not None:
