@@ -117,7 +117,8 @@ class QuotaLimiter:
         self._journaled = Counter(
             "switchyard_gateway_quota_journaled",
             "Settlements written to the journal for the sweeper, by kind (checked: a reconcile "
-            "Redis could not take; unchecked: a request admitted while Redis was unreachable)",
+            "Redis could not take; unchecked: a request admitted while Redis was unreachable; "
+            "void: a request refused then, whose reservation may have been made unheard)",
             ["kind"],
             registry=registry,
         )
@@ -233,6 +234,15 @@ class QuotaLimiter:
             self._redis_errors.labels(limit_class=limit_class, decision=decision).inc()
         closed = [cls for cls, decision in decisions.items() if decision == "closed"]
         if closed:
+            if self.journal is not None:
+                # reserve.lua may have run with its reply lost (Redis went away mid-call): a
+                # 0-token unchecked settlement voids that reservation once Redis is back (its
+                # tokens refunded, its slot freed) and does nothing if it never ran.
+                w = self._guess_windows()
+                void = Settlement(
+                    tenant.tenant_id, request_id, False, w.minute, w.day, 0, self.owner_id
+                )
+                self._journal(void, kind="void")
             raise QuotaUnavailable(UNAVAILABLE_RETRY_AFTER_S, limit_class=closed[0])
         reservation = Reservation(
             tenant.tenant_id, request_id, tokens, checked=False, owner_id=self.owner_id
@@ -261,10 +271,11 @@ class QuotaLimiter:
             r.tenant_id, r.request_id, False, w.minute, w.day, actual, r.owner_id, final, usage
         )
 
-    def _journal(self, settlement: Settlement) -> None:
+    def _journal(self, settlement: Settlement, kind: str | None = None) -> None:
         assert self.journal is not None
         self.journal.put(settlement)
-        self._journaled.labels(kind="checked" if settlement.checked else "unchecked").inc()
+        kind = kind or ("checked" if settlement.checked else "unchecked")
+        self._journaled.labels(kind=kind).inc()
 
     def _guess_windows(self) -> Windows:
         return windows_at(self._clock() + self._offset_s)

@@ -1,11 +1,15 @@
 """QuotaLimiter against a real Redis: reserve, reconcile and usage."""
 
+from pathlib import Path
+
 import pytest
 import redis.asyncio
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from quota import keyspace
-from quota.errors import QuotaExceeded
-from quota.limiter import QuotaLimiter, Reservation
+from quota.errors import QuotaExceeded, QuotaUnavailable
+from quota.journal import ReconcileJournal, journal_path
+from quota.limiter import FailurePolicy, QuotaLimiter, Reservation
 from quota.models import Tenant, TenantLimits
 from quota.policy import windows_at
 
@@ -236,3 +240,53 @@ async def test_unchecked_reconcile_of_a_reserve_whose_reply_was_lost_charges_onc
     await limiter.reconcile(Reservation("acme", "r1", 100, checked=False), 30)
     usage = await limiter.usage("acme")
     assert (usage["tokens_today"], usage["concurrent_requests"]) == (30, 0)
+
+
+async def test_a_refusal_after_a_lost_reserve_reply_voids_the_reservation_once_redis_is_back(
+    redis_client: redis.asyncio.Redis, tmp_path: Path
+) -> None:
+    """Fail closed: Redis ran reserve.lua and went away before replying. The gateway refuses
+    (503), and the reservation Redis kept must not stay charged or hold its slot: the
+    journaled void settles it when applied, and applying it again does nothing."""
+    journal = ReconcileJournal(journal_path(tmp_path, "gw1"))
+    closed = FailurePolicy(tokens="closed", requests="closed", concurrency="closed")
+    limiter = QuotaLimiter(redis_client, closed, owner_id="gw1", journal=journal)
+    real_reserve = limiter.scripts.reserve
+
+    async def reply_lost(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        await real_reserve(*args, **kwargs)
+        raise RedisConnectionError("Connection closed by server.")
+
+    limiter.scripts.reserve = reply_lost  # type: ignore[method-assign]
+    t = tenant(tokens_per_day=1000, max_concurrent=2)
+    with pytest.raises(QuotaUnavailable):
+        await limiter.reserve(t, "r1", 100)
+    assert (await limiter.usage("acme"))["concurrent_requests"] == 1  # Redis kept it
+
+    [void] = journal.outstanding()
+    assert (void.request_id, void.checked, void.delta_tokens) == ("r1", False, 0)
+    assert await limiter.scripts.settle(void)
+    assert not await limiter.scripts.settle(void)
+    usage = await limiter.usage("acme")
+    assert (usage["tokens_today"], usage["concurrent_requests"]) == (0, 0)
+    journal.close()
+
+
+async def test_a_refusal_with_no_reserve_run_voids_nothing(
+    redis_client: redis.asyncio.Redis, tmp_path: Path
+) -> None:
+    journal = ReconcileJournal(journal_path(tmp_path, "gw1"))
+    closed = FailurePolicy(tokens="closed", requests="closed", concurrency="closed")
+    limiter = QuotaLimiter(redis_client, closed, owner_id="gw1", journal=journal)
+    await limiter.reserve(tenant(), "other", 70)
+
+    async def unreachable(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise RedisConnectionError("Error 111 connecting. Connection refused.")
+
+    limiter.scripts.reserve = unreachable  # type: ignore[method-assign]
+    with pytest.raises(QuotaUnavailable):
+        await limiter.reserve(tenant(tokens_per_day=1000), "r1", 100)
+    [void] = journal.outstanding()
+    assert await limiter.scripts.settle(void)  # applied, charging nothing
+    assert (await limiter.usage("acme"))["tokens_today"] == 70
+    journal.close()
