@@ -188,6 +188,13 @@ def _cmd_bench_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_upstream(args: argparse.Namespace) -> int:
+    from benchmarks.upstream_clients import UpstreamBenchOptions, run_upstream_bench
+
+    run_upstream_bench(UpstreamBenchOptions(Path(args.out), args.requests, args.quick))
+    return 0
+
+
 def _cmd_bench_autoscale(args: argparse.Namespace) -> int:
     from benchmarks.autoscale_bench import AutoscaleBenchOptions, run_autoscale_bench
 
@@ -317,6 +324,11 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--quick", action="store_true", help="a small smoke run, not the real figures")
     bg.add_argument("--overload-s", type=float, default=60.0, help="length of the overload run")
     bg.set_defaults(func=_cmd_bench_gateway)
+    bu = bench.add_parser("upstream", help="upstream HTTP clients' CPU per request, side by side")
+    bu.add_argument("--out", default="bench-results", help="where JSON and markdown go")
+    bu.add_argument("--requests", type=int, default=4000, help="requests per client and mode")
+    bu.add_argument("--quick", action="store_true", help="a small smoke run, not the real figures")
+    bu.set_defaults(func=_cmd_bench_upstream)
     ba = bench.add_parser("autoscale", help="autoscaler vs baselines and oracles, in simulation")
     ba.add_argument("--out", default="bench-results", help="where JSON and markdown go")
     ba.add_argument("--quick", action="store_true", help="a small smoke run, not the real figures")
