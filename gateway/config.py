@@ -37,6 +37,9 @@ class GatewayConfig:
     header_timeout_s: float = 10.0  # a connection must send its request head within this
     keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
     shutdown_grace_s: float = 30.0  # after SIGTERM, requests still running then are cancelled
+    # Gateway processes on one port (SO_REUSEPORT; `switchyard gateway --workers N`). Each
+    # gets 1/N of max_inflight_per_worker, queue_max_requests and queue_max_tokens.
+    processes: int = 1
     # Bounds on what one request may ask (stop strings, logprobs, messages, nesting, ...).
     request_limits: RequestLimits = field(default_factory=RequestLimits)
     # The cascade router for `model: auto` (both pools set = enabled).

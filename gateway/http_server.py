@@ -2,16 +2,22 @@
 
 uvicorn closes a keep-alive connection idle after a response, but a connection that
 never sends a whole request head (or sends one byte at a time) is held forever. The
-protocol here gives every request head `header_timeout_s` from the moment the connection
+protocols here give every request head `header_timeout_s` from the moment the connection
 is made or its previous response ended; bodies are bounded by the handlers
-(`GatewayConfig.body_timeout_s`). `GatewayServer` bounds SIGTERM: when the grace period is over it
-calls `on_grace_over` (the gateway cuts what is still in flight: each request answers
-its client with a 503 `shutting_down`, in-band on a committed stream, and settles);
-uvicorn's own `timeout_graceful_shutdown`, a little later, is the backstop that cancels
-any handler still running.
+(`GatewayConfig.body_timeout_s`). The head timer is one mixin over both of uvicorn's
+HTTP/1.1 protocols: httptools (with uvloop, when installed: less CPU per request) and h11
+(the fallback). Every accepted connection gets TCP_NODELAY, whatever socket it came from
+(asyncio sets it only for sockets created with `IPPROTO_TCP`).
+
+`GatewayServer` bounds SIGTERM: when the grace period is over it calls `on_grace_over`
+(the gateway cuts what is still in flight: each request answers its client with a 503
+`shutting_down`, in-band on a committed stream, and settles); uvicorn's own
+`timeout_graceful_shutdown`, a little later, is the backstop that cancels any handler
+still running.
 """
 
 import asyncio
+import importlib.util
 import socket
 from collections.abc import Callable
 
@@ -20,44 +26,96 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
-class _HeadTimeoutH11(H11Protocol):
+class HeadTimeout:
+    """Mixin over a uvicorn HTTP protocol: close a connection whose request head is not in
+    within `header_timeout_s` of the connection or of its previous response."""
+
     header_timeout_s = 10.0
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def _awaiting_head(self) -> bool:
+        """True while every request head received has been answered."""
+        raise NotImplementedError
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._head_timer: asyncio.TimerHandle | None = None
+        super().connection_made(transport)  # type: ignore[misc]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._arm_head_timer()
 
     def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        loop: asyncio.AbstractEventLoop = self.loop  # type: ignore[attr-defined]
+        self._head_timer = loop.call_later(self.header_timeout_s, self._head_timeout)
+
+    def _cancel_head_timer(self) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
-        self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timeout)
-
-    def handle_events(self) -> None:
-        super().handle_events()
-        if self.conn.their_state is not h11.IDLE and self._head_timer is not None:
-            self._head_timer.cancel()  # the head is in: the handler bounds the body
             self._head_timer = None
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing():
+        super().on_response_complete()  # type: ignore[misc]
+        if not self.transport.is_closing():  # type: ignore[attr-defined]
             self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-        super().connection_lost(exc)
+        self._cancel_head_timer()
+        super().connection_lost(exc)  # type: ignore[misc]
 
     def _head_timeout(self) -> None:
         self._head_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self.transport.close()
+        # A pipelined request may be in already: its response re-arms the timer.
+        transport: asyncio.Transport = self.transport  # type: ignore[attr-defined]
+        if self._awaiting_head() and not transport.is_closing():
+            transport.close()
 
 
-def head_timeout_protocol(header_timeout_s: float) -> type[H11Protocol]:
-    """An h11 protocol class closing connections whose request head is late."""
-    return type("HeadTimeoutH11", (_HeadTimeoutH11,), {"header_timeout_s": header_timeout_s})
+class _HeadTimeoutH11(HeadTimeout, H11Protocol):
+    def _awaiting_head(self) -> bool:
+        return self.conn.their_state is h11.IDLE
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if not self._awaiting_head():
+            self._cancel_head_timer()  # the head is in: the handler bounds the body
+
+
+def _head_timeout_httptools() -> type | None:
+    """The httptools protocol with the head timer; None where httptools is missing."""
+    if importlib.util.find_spec("httptools") is None:
+        return None
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class _HeadTimeoutHttpTools(HeadTimeout, HttpToolsProtocol):
+        _heads_in = 0  # request heads parsed on this connection
+        _answered = 0  # responses completed on it
+
+        def _awaiting_head(self) -> bool:
+            return self._heads_in == self._answered
+
+        def on_headers_complete(self) -> None:
+            self._heads_in += 1
+            self._cancel_head_timer()  # the head is in: the handler bounds the body
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            self._answered += 1
+            super().on_response_complete()
+
+    return _HeadTimeoutHttpTools
+
+
+def head_timeout_protocol(header_timeout_s: float, prefer_httptools: bool = True) -> type:
+    """An HTTP protocol class closing connections whose request head is late: httptools'
+    when installed (and preferred), else h11's."""
+    base = (_head_timeout_httptools() if prefer_httptools else None) or _HeadTimeoutH11
+    return type(base.__name__.lstrip("_"), (base,), {"header_timeout_s": header_timeout_s})
+
+
+def event_loop_name() -> str:
+    """uvloop where installed, else asyncio (uvicorn's `loop=` setting)."""
+    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
 
 
 _BACKSTOP_S = 3.0  # after the grace: time for cut requests to answer before uvicorn cancels
@@ -90,13 +148,37 @@ def server_config(
     keep_alive_timeout_s: float,
     shutdown_grace_s: float,
     log_level: str = "warning",
+    prefer_httptools: bool = True,
 ) -> uvicorn.Config:
+    """uvicorn's settings for the gateway. The loop setting applies where uvicorn makes
+    the loop (`Server.run`); `switchyard serve` runs `Server.serve` on its own loop."""
     return uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level=log_level,
-        http=head_timeout_protocol(header_timeout_s),
+        loop=event_loop_name(),
+        http=head_timeout_protocol(header_timeout_s, prefer_httptools),
         timeout_keep_alive=max(1, round(keep_alive_timeout_s)),
         timeout_graceful_shutdown=max(1, round(shutdown_grace_s + _BACKSTOP_S)),
     )
+
+
+def reuse_port_socket(host: str, port: int, *, listen: bool) -> socket.socket:
+    """A TCP socket bound to host:port with SO_REUSEPORT, so several gateway processes
+    listen on one port and the kernel spreads connections over them. `listen=False`: only
+    bound (the supervisor holds the port this way; a bound socket is not given
+    connections)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        if listen:
+            sock.listen(2048)
+            sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
