@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 
 import psutil
@@ -46,6 +47,7 @@ class WrkResult:
     p50_ms: float
     p90_ms: float
     p99_ms: float
+    cpu_s: float = 0.0  # user + system CPU wrk itself spent (is the load generator the limit?)
 
     @property
     def rps(self) -> float:
@@ -76,26 +78,23 @@ def run_wrk(
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
         f.write(script)
         path = f.name
+    cmd = [
+        exe,
+        f"-t{max(1, min(threads, connections))}",
+        f"-c{connections}",
+        f"-d{max(1, round(duration_s))}s",
+        "--timeout",
+        "30s",
+        "-s",
+        path,
+        url,
+    ]
     try:
-        out = subprocess.run(
-            [
-                exe,
-                f"-t{max(1, min(threads, connections))}",
-                f"-c{connections}",
-                f"-d{max(1, round(duration_s))}s",
-                "--timeout",
-                "30s",
-                "-s",
-                path,
-                url,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=duration_s + 60,
-            check=True,
-        ).stdout
+        rc, out, cpu_s = _run_measured(cmd, timeout_s=duration_s + 60)
     finally:
         os.unlink(path)
+    if rc != 0:
+        raise RuntimeError(f"wrk exited {rc}: {out[-500:]}")
     line = next((x for x in out.splitlines() if x.startswith("WRK_JSON ")), None)
     if line is None:
         raise RuntimeError(f"wrk printed no summary: {out[-500:]}")
@@ -108,7 +107,24 @@ def run_wrk(
         p50_ms=d["p50_us"] / 1e3,
         p90_ms=d["p90_us"] / 1e3,
         p99_ms=d["p99_us"] / 1e3,
+        cpu_s=cpu_s,
     )
+
+
+def _run_measured(cmd: list[str], timeout_s: float) -> tuple[int, str, float]:
+    """Run `cmd` to the end: (exit code, output, its user + system CPU seconds), the CPU
+    read from the kernel's accounting when it is reaped (wait4), so nothing is missed."""
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True)
+        timer = threading.Timer(timeout_s, proc.kill)
+        timer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)  # reaped: Popen must not wait
+        finally:
+            timer.cancel()
+        out.seek(0)
+        return proc.returncode, out.read(), usage.ru_utime + usage.ru_stime
 
 
 def process_tree(pid: int) -> list[psutil.Process]:

@@ -181,9 +181,27 @@ def _cmd_bench_worker(args: argparse.Namespace) -> int:
 
 def _cmd_bench_gateway(args: argparse.Namespace) -> int:
     from benchmarks.gateway_bench import GatewayBenchOptions, run_gateway_bench
+    from benchmarks.gateway_paths import PeerOptions
 
+    if args.peer and args.peer_cmd:
+        print("error: --peer and --peer-cmd are alternatives; give one", file=sys.stderr)
+        return 2
+    peer = PeerOptions(
+        url=args.peer,
+        pid=args.peer_pid,
+        cmd=args.peer_cmd,
+        ready_path=args.peer_ready_path,
+        key=args.peer_key,
+        model=args.peer_model,
+    )
     run_gateway_bench(
-        GatewayBenchOptions(Path(args.out), quick=args.quick, overload_s=args.overload_s)
+        GatewayBenchOptions(
+            Path(args.out),
+            quick=args.quick,
+            overload_s=args.overload_s,
+            backend_port=args.backend_port,
+            peer=peer,
+        )
     )
     return 0
 
@@ -323,6 +341,34 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--out", default="bench-results", help="where JSON and markdown go")
     bg.add_argument("--quick", action="store_true", help="a small smoke run, not the real figures")
     bg.add_argument("--overload-s", type=float, default=60.0, help="length of the overload run")
+    bg.add_argument(
+        "--backend-port", type=int, default=None, help="put the fake backend on this port"
+    )
+    bg.add_argument(
+        "--peer",
+        default=None,
+        metavar="URL",
+        help="a peer gateway started by hand in front "
+        "of the fake backend (see --backend-port), measured beside Switchyard",
+    )
+    bg.add_argument(
+        "--peer-pid", type=int, default=None, help="the --peer's process, for its CPU figure"
+    )
+    bg.add_argument(
+        "--peer-cmd",
+        default=None,
+        metavar="TEMPLATE",
+        help="a shell command that starts a peer gateway; {backend} (fake backend base URL), "
+        "{port} (a free port for the peer) and {dir} (a temp dir) are filled in "
+        "(docs/benchmarks/gateway-peer.md)",
+    )
+    bg.add_argument(
+        "--peer-ready-path", default="/health", help="polled until the peer answers 200"
+    )
+    bg.add_argument(
+        "--peer-key", default=None, help="bearer token sent to the peer (default: a dummy)"
+    )
+    bg.add_argument("--peer-model", default="small", help="model name sent to the peer")
     bg.set_defaults(func=_cmd_bench_gateway)
     bu = bench.add_parser("upstream", help="upstream HTTP clients' CPU per request, side by side")
     bu.add_argument("--out", default="bench-results", help="where JSON and markdown go")
