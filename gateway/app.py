@@ -16,13 +16,17 @@ from gateway.dashboard import dashboard_routes
 from gateway.errors import exception_handlers
 from gateway.intake import authenticate
 from gateway.learning_api import learning_routes
+from gateway.process_metrics import ProcessMetrics
 from gateway.proxy import handle
 from gateway.usage_api import usage_routes
 
 log = logging.getLogger(__name__)
 
 
-def create_gateway_app(gw: Gateway) -> Litestar:
+def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = None) -> Litestar:
+    """The app over `gw`. `process_metrics`: this is one process of several on one port,
+    and /metrics answers for all of them (gateway/process_metrics.py)."""
+
     @post("/v1/chat/completions", status_code=200)
     async def chat_completions(request: Request) -> Any:
         return await handle(gw, request, chat=True)
@@ -55,10 +59,16 @@ def create_gateway_app(gw: Gateway) -> Litestar:
 
     @get("/metrics")
     async def metrics() -> Response:
-        return Response(content=generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
+        if process_metrics is not None:
+            content = await process_metrics.exposition()
+        else:
+            content = generate_latest(gw.registry)
+        return Response(content=content, media_type=CONTENT_TYPE_LATEST)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        if process_metrics is not None:
+            await process_metrics.start()  # siblings may ask for this process's metrics
         poller = asyncio.ensure_future(_poll_loads(gw))
         stop = asyncio.Event()
         upkeep = asyncio.ensure_future(
@@ -67,6 +77,8 @@ def create_gateway_app(gw: Gateway) -> Litestar:
         try:
             yield
         finally:
+            if process_metrics is not None:
+                await process_metrics.close()
             # Requests still running were cancelled by the server's grace period; their
             # flights closed their upstreams and scheduled their reconciles.
             poller.cancel()

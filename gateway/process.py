@@ -1,8 +1,11 @@
-"""The gateway process: connect Redis (or start an embedded one), build, serve."""
+"""The gateway process: connect Redis (or start an embedded one), build, serve; or, with
+`processes > 1`, one member of a group on one port (gateway/processes.py)."""
 
 import logging
+import os
 import random
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -16,10 +19,12 @@ from gateway.classifiers import ClassifierRegistry
 from gateway.config import GatewayConfig
 from gateway.context import Gateway
 from gateway.embedded_redis import EmbeddedRedis
-from gateway.http_server import GatewayServer, server_config
+from gateway.http_server import GatewayServer, reuse_port_socket, server_config
 from gateway.labels import LabelStore
 from gateway.metrics import GatewayMetrics, TenantLabels
 from gateway.pool import Pool
+from gateway.process_metrics import ProcessMetrics
+from gateway.processes import MemberSpec, serve_processes
 from gateway.routing import Router, RoutingMetrics
 from gateway.shadow import Learner
 from gateway.tokens import PromptCounter, load_tokenizer
@@ -153,8 +158,17 @@ def gateway_app(config: GatewayConfig) -> tuple[Litestar, Gateway, EmbeddedRedis
     return create_gateway_app(gw), gw, embedded
 
 
-def serve_gateway(config: GatewayConfig, host: str, port: int) -> None:
+def serve_gateway(
+    config: GatewayConfig, host: str, port: int, member_command: list[str] | None = None
+) -> int:
+    """Serve until SIGINT/SIGTERM; the exit status. With `config.processes > 1`, supervise
+    that many members started with `member_command` (each reads a `MemberSpec` on stdin
+    and calls `serve_member`)."""
     sys.setswitchinterval(0.001)
+    if config.processes > 1:
+        if member_command is None:
+            raise ValueError("several gateway processes need the command that starts one")
+        return serve_processes(config, host, port, member_command)
     app, gw, embedded = gateway_app(config)
     log.info(
         "gateway on http://%s:%d, pools %s",
@@ -162,24 +176,62 @@ def serve_gateway(config: GatewayConfig, host: str, port: int) -> None:
         port,
         {k: len(v) for k, v in config.pools.items()},
     )
-    # uvicorn handles SIGINT/SIGTERM, shuts down, then re-raises the signal to the handler
-    # that was there before it. Ours only notes it, so the embedded Redis is stopped here
-    # (not orphaned) and Ctrl-C prints no traceback.
-    received: list[int] = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, _frame: received.append(signum))
     try:
-        server_cfg = server_config(
-            app,
-            host,
-            port,
-            header_timeout_s=config.header_timeout_s,
-            keep_alive_timeout_s=config.keep_alive_timeout_s,
-            shutdown_grace_s=config.shutdown_grace_s,
-        )
-        GatewayServer(server_cfg, config.shutdown_grace_s, gw.abort_flights).run()
+        _serve(app, gw, config, host, port, None)
     finally:
         if embedded is not None:
             embedded.close()
+    return 0
+
+
+def serve_member(spec: MemberSpec) -> int:
+    """One process of a gateway group: its own `Gateway` on its share of the capacity,
+    listening on the group's port with SO_REUSEPORT; its parent holds the embedded Redis."""
+    sys.setswitchinterval(0.001)
+    config = spec.config
+    assert config.redis_url is not None, "the parent gives its members the group's Redis"
+    gw = build_gateway(config, config.redis_url)
+    shared = ProcessMetrics(gw.registry, spec.index, Path(spec.procs_dir))
+    app = create_gateway_app(gw, shared)
+    sock = reuse_port_socket(spec.host, spec.port, listen=True)
+    log.info(
+        "gateway process %d/%d (pid %d) on http://%s:%d: %d in flight per worker, "
+        "queue of %d requests / %d tokens per pool",
+        spec.index,
+        spec.num_processes,
+        os.getpid(),
+        spec.host,
+        spec.port,
+        config.max_inflight_per_worker,
+        config.queue_max_requests,
+        config.queue_max_tokens,
+    )
+    _serve(app, gw, config, spec.host, spec.port, [sock])
+    return 0
+
+
+def _serve(
+    app: Litestar,
+    gw: Gateway,
+    config: GatewayConfig,
+    host: str,
+    port: int,
+    sockets: list[socket.socket] | None,
+) -> None:
+    # uvicorn handles SIGINT/SIGTERM, shuts down, then re-raises the signal to the handler
+    # that was there before it. Ours only notes it, so the caller's cleanup runs (the
+    # embedded Redis is stopped, not orphaned) and Ctrl-C prints no traceback.
+    received: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: received.append(signum))
+    server_cfg = server_config(
+        app,
+        host,
+        port,
+        header_timeout_s=config.header_timeout_s,
+        keep_alive_timeout_s=config.keep_alive_timeout_s,
+        shutdown_grace_s=config.shutdown_grace_s,
+    )
+    GatewayServer(server_cfg, config.shutdown_grace_s, gw.abort_flights).run(sockets)
     if received:
         log.info("gateway stopped (%s)", signal.Signals(received[0]).name)
