@@ -1,0 +1,98 @@
+"""The gateway's HTTP protocols, httptools (with uvloop) and the h11 fallback, served as a
+gateway member serves them (a SO_REUSEPORT socket): a late request head closes the
+connection, the timer starts again after each response, accepted connections get
+TCP_NODELAY."""
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.http_server import reuse_port_socket, server_config
+from tests.support.waiting import eventually
+
+HEADER_S = 1.0
+
+
+async def _ok(scope, receive, send) -> None:  # noqa: ANN001 (ASGI)
+    if scope["type"] != "http":
+        return
+    headers = [(b"content-length", b"2")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+@contextmanager
+def _served(prefer_httptools: bool) -> Iterator[tuple[uvicorn.Server, int]]:
+    config = server_config(
+        _ok,
+        "127.0.0.1",
+        0,
+        header_timeout_s=HEADER_S,
+        keep_alive_timeout_s=30,
+        shutdown_grace_s=1,
+        prefer_httptools=prefer_httptools,
+    )
+    config.lifespan = "off"
+    if not prefer_httptools:
+        config.loop = "asyncio"  # the fallback as a whole: neither uvloop nor httptools
+    sock = reuse_port_socket("127.0.0.1", 0, listen=True)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        assert eventually(lambda: server.started)
+        yield server, sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(5)
+
+
+def _closed_within(sock: socket.socket, limit_s: float) -> float:
+    t0 = time.monotonic()
+    sock.settimeout(limit_s)
+    try:
+        while sock.recv(4096):
+            pass
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - t0
+
+
+def _get(sock: socket.socket) -> bytes:
+    sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    raw = b""
+    while not raw.endswith(b"ok"):
+        chunk = sock.recv(4096)
+        assert chunk, raw
+        raw += chunk
+    return raw
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("httptools", [True, False], ids=["httptools", "h11"])
+def test_a_late_head_is_closed_after_each_response_and_connections_get_nodelay(httptools):
+    assert (
+        server_config(
+            _ok, "h", 1, header_timeout_s=1, keep_alive_timeout_s=1, shutdown_grace_s=1
+        ).loop
+        == "uvloop"
+    )
+    with _served(httptools) as (server, port):
+        base = HttpToolsProtocol if httptools else H11Protocol
+        assert issubclass(server.config.http_protocol_class, base)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            assert _get(sock).startswith(b"HTTP/1.1 200")
+            (conn,) = server.server_state.connections
+            served = conn.transport.get_extra_info("socket")
+            assert served.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+            assert _get(sock).startswith(b"HTTP/1.1 200")  # kept alive
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")  # a head that never ends
+            took = _closed_within(sock, HEADER_S + 5)
+        assert HEADER_S * 0.9 < took < HEADER_S + 1.5, took
