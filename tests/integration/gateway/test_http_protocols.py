@@ -78,12 +78,6 @@ def _get(sock: socket.socket) -> bytes:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("httptools", [True, False], ids=["httptools", "h11"])
 def test_a_late_head_is_closed_after_each_response_and_connections_get_nodelay(httptools):
-    assert (
-        server_config(
-            _ok, "h", 1, header_timeout_s=1, keep_alive_timeout_s=1, shutdown_grace_s=1
-        ).loop
-        == "uvloop"
-    )
     with _served(httptools) as (server, port):
         base = HttpToolsProtocol if httptools else H11Protocol
         assert issubclass(server.config.http_protocol_class, base)
@@ -96,3 +90,11 @@ def test_a_late_head_is_closed_after_each_response_and_connections_get_nodelay(h
             sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")  # a head that never ends
             took = _closed_within(sock, HEADER_S + 5)
         assert HEADER_S * 0.9 < took < HEADER_S + 1.5, took
+
+
+def test_uvloop_and_httptools_are_chosen_where_installed():
+    config = server_config(
+        _ok, "127.0.0.1", 1, header_timeout_s=1, keep_alive_timeout_s=1, shutdown_grace_s=1
+    )
+    assert config.loop == "uvloop"
+    assert issubclass(config.http, HttpToolsProtocol)
