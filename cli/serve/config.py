@@ -140,7 +140,15 @@ def check(cfg: ServeConfig, where: str) -> None:
     bad = sorted(set(cfg.gateway.options) & reserved)
     if bad:
         raise SystemExit(f"{where}: gateway.options may not set {bad} (serve sets them)")
-    fill(GatewayConfig, cfg.gateway.options, f"{where}: gateway.options")
+    gateway = fill(GatewayConfig, cfg.gateway.options, f"{where}: gateway.options")
+    if gateway.processes != 1:
+        # The fleet supervisor adds and removes workers by method calls on this process's
+        # pools; other gateway processes would not see them (membership is not in Redis).
+        raise SystemExit(
+            f"{where}: gateway.options.processes must be 1: `switchyard serve` runs one "
+            "gateway process beside its fleet supervisor. For several, run `switchyard "
+            "gateway --workers N` in front of separately started `switchyard worker`s"
+        )
     c = cfg.cascade
     if c.enabled:
         for pool in (c.small_pool, c.large_pool):

@@ -45,6 +45,15 @@ def test_unknown_keys_and_bad_cascade_pools_are_refused_naming_the_key(tmp_path:
         load_serve_config(path)
 
 
+def test_several_gateway_processes_are_refused_pointing_at_gateway_workers(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump({"gateway": {"options": {"processes": 2}}}))
+    with pytest.raises(SystemExit, match=r"processes must be 1: .*gateway --workers N"):
+        load_serve_config(path)
+
+
 def test_the_shipped_config_loads_and_every_default_is_in_help() -> None:
     cfg = load_serve_config(REPO_ROOT / "configs" / "serve.yaml")
     assert set(cfg.pools) == {"small", "large"}
