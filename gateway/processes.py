@@ -199,7 +199,7 @@ class ProcessGroup:
                     pid,
                     _how(code),
                 )
-                self.failed = True
+                self.failed = self.stopping = True
                 self._stop(signal.SIGTERM)
                 continue
             m.num_crashes = (
