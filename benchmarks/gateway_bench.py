@@ -10,6 +10,7 @@ import asyncio
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -55,7 +56,7 @@ class GatewayBenchOptions:
 
 def _plan(quick: bool) -> LoadPlan:
     if quick:
-        return LoadPlan(num_sequential=100, num_relay_streams=10, wrk_duration_s=1, wrk_warmup_s=0)
+        return LoadPlan(num_sequential=50, num_relay_streams=5, wrk_duration_s=1, wrk_warmup_s=0)
     return LoadPlan()
 
 
@@ -201,7 +202,7 @@ def overload_and_fairness(tmp: Path, redis_url: str, overload_s: float, steps: t
 def run_gateway_bench(opts: GatewayBenchOptions) -> dict:
     from gateway.embedded_redis import EmbeddedRedis
 
-    overload_s = 5.0 if opts.quick else opts.overload_s
+    overload_s = 3.0 if opts.quick else opts.overload_s
     data: dict = {
         "options": {
             "quick": opts.quick,
@@ -216,8 +217,12 @@ def run_gateway_bench(opts: GatewayBenchOptions) -> dict:
         redis = EmbeddedRedis(tmp / "redis")
         steps = tqdm(total=6, desc="bench gateway", unit="scenario")
         try:
+            t0 = time.perf_counter()
             data |= compare_paths(opts, tmp, redis.url, steps)
+            t1 = time.perf_counter()
             data |= overload_and_fairness(tmp, redis.url, overload_s, steps)
+            t2 = time.perf_counter()
+            data["elapsed_s"] = {"paths": t1 - t0, "overload_and_fairness": t2 - t1}
         finally:
             steps.close()
             redis.close()

@@ -72,7 +72,9 @@ def wrk_cells(path: BenchPath, plan: LoadPlan) -> list[dict[str, Any]]:
                     *_wrk_target(path, mode), connections=conns, duration_s=plan.wrk_duration_s
                 )
                 c1, e1 = cpu_seconds(path.pids), cpu_seconds(path.extra_pids)
-                n = max(r.requests, 1)
+                if r.requests == 0 or r.duration_s <= 0:
+                    raise RuntimeError(f"no request completed in {plan.wrk_duration_s:.0f} s")
+                n = r.requests
                 row |= {
                     "rps": r.rps,
                     "p50_ms": r.p50_ms,
@@ -83,7 +85,8 @@ def wrk_cells(path: BenchPath, plan: LoadPlan) -> list[dict[str, Any]]:
                     "extra_cpu_ms_per_request": (
                         (e1 - e0) * 1e3 / n if path.extra_pids else math.nan
                     ),
-                    "wrk_cores": r.cpu_s / r.duration_s if r.duration_s else math.nan,
+                    "path_cores": (c1 - c0) / r.duration_s if path.pids else math.nan,
+                    "wrk_cores": r.cpu_s / r.duration_s,
                 }
             except Exception as e:  # noqa: BLE001
                 row["error"] = _err(e)

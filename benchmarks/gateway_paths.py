@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import psutil
 import yaml
 
 from benchmarks.processes import child_process, free_port
@@ -82,16 +81,17 @@ def make_key(gateway: str, tenant: str, **limits) -> str:
     return r.json()["key"]
 
 
-def redis_pids() -> list[int]:
-    """The embedded redis-server(s) this bench process started (the gateways' quota store)."""
-    return [p.pid for p in psutil.Process().children(recursive=True) if "redis" in _name(p)]
+def redis_pid(redis_url: str) -> int | None:
+    """The process id of the Redis server at `redis_url` (None if it does not say)."""
+    import redis
 
-
-def _name(p: psutil.Process) -> str:
+    client = redis.Redis.from_url(redis_url)
     try:
-        return p.name()
-    except psutil.Error:
-        return ""
+        return int(client.info("server")["process_id"])
+    except (redis.RedisError, KeyError, ValueError):
+        return None
+    finally:
+        client.close()
 
 
 @contextmanager
@@ -129,7 +129,7 @@ def switchyard_path(
             url,
             {"authorization": f"Bearer {key}"},
             pids=[proc.pid],
-            extra_pids=redis_pids(),
+            extra_pids=[pid] if (pid := redis_pid(redis_url)) else [],
         )
 
 

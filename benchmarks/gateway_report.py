@@ -8,6 +8,7 @@ from typing import Any
 from benchmarks.stats import markdown_table
 
 WRK_CORE_BUSY = 0.8  # wrk (one thread) at this share of a core may itself be the limit
+CPU_BOUND = 0.9  # a gateway process at this share of a core is CPU-bound
 NEAR_DIRECT = 0.9  # a gateway at this share of the backend alone's req/s is held by the backend
 
 
@@ -62,6 +63,14 @@ def bottleneck_notes(paths: dict[str, dict], cpu_count: int) -> list[str]:
                 notes.append(
                     f"{name} {row['mode']} c{row['connections']}: wrk used "
                     f"{row['wrk_cores']:.2f} of a core, so the load generator may be the limit."
+                )
+    for name, p in paths.items():
+        processes = 2 if name == "switchyard x2" else 1
+        for row in p.get("wrk", []):
+            if name != "direct" and row.get("path_cores", 0) >= CPU_BOUND * processes:
+                notes.append(
+                    f"{name} {row['mode']} c{row['connections']}: its processes used "
+                    f"{row['path_cores']:.2f} cores, so it was CPU-bound."
                 )
     for name in paths:
         if name == "direct":
@@ -145,8 +154,9 @@ def paths_markdown(data: dict[str, Any]) -> list[str]:
             f"{data['wrk']['duration_s']:.0f} s per cell, one wrk thread; plain: 4 tokens, "
             "stream: 16 SSE chunks read to the end. CPU ms/request: user + system CPU of "
             "the path's process tree (the backend's for direct, every gateway process for "
-            "`switchyard x2`) over the requests wrk completed; Redis: the embedded quota "
-            "store's. wrk cores: wrk's own CPU over the run's length.\n"
+            "`switchyard x2`) over the requests wrk completed; path cores: the same CPU over "
+            "the run's length; Redis: the embedded quota store's CPU per request; wrk cores: "
+            "wrk's own CPU over the run's length.\n"
         )
         rows = [
             {"path": n, **r, "error": _cell(r.get("error", ""))}
@@ -165,6 +175,7 @@ def paths_markdown(data: dict[str, Any]) -> list[str]:
                     ("p99_ms", "p99 ms"),
                     ("errors", "errors"),
                     ("cpu_ms_per_request", "CPU ms/req"),
+                    ("path_cores", "path cores"),
                     ("extra_cpu_ms_per_request", "Redis CPU ms/req"),
                     ("wrk_cores", "wrk cores"),
                     ("error", "error"),

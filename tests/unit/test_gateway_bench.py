@@ -1,0 +1,66 @@
+"""`switchyard bench gateway`'s pure parts: the peer command template and the figures the
+report derives (added latency, the two-process ratio, what limited a run)."""
+
+import math
+from pathlib import Path
+
+from benchmarks.gateway_paths import render_peer_cmd
+from benchmarks.gateway_report import added_latency, bottleneck_notes, scaling_ratio
+
+
+def test_peer_cmd_fills_backend_port_and_dir_and_leaves_other_braces() -> None:
+    cmd = render_peer_cmd(
+        "B={backend}/v1 litellm --port {port} --config {dir}/c.yaml ${HOME} '{a: 1}' {port}",
+        "http://127.0.0.1:8101",
+        4321,
+        Path("/tmp/x"),
+    )
+    assert cmd == (
+        "B=http://127.0.0.1:8101/v1 litellm --port 4321 --config /tmp/x/c.yaml ${HOME} "
+        "'{a: 1}' 4321"
+    )
+
+
+def _wrk(mode: str, conns: int, rps: float, **extra: float) -> dict:
+    return {"mode": mode, "connections": conns, "rps": rps, "wrk_cores": 0.1, **extra}
+
+
+def test_added_latency_and_scaling_are_nan_where_a_path_failed() -> None:
+    lat = {"plain": {"p50": 1.0, "p99": 3.0}, "stream": {"p50": 2.0, "p99": 5.0}}
+    paths = {
+        "direct": {"latency_ms": lat, "wrk": [_wrk("plain", 64, 9000.0)]},
+        "switchyard": {
+            "latency_ms": {"plain": {"p50": 2.5, "p99": 9.0}, "stream": {"error": "boom"}},
+            "wrk": [_wrk("plain", 64, 1000.0), _wrk("stream", 64, 500.0)],
+        },
+        "switchyard x2": {"error": "exited with 1 before ready", "what": ""},
+    }
+    added = added_latency(paths)
+    assert added["switchyard"]["plain_p50"] == 1.5 and added["switchyard"]["plain_p99"] == 6.0
+    assert math.isnan(added["switchyard"]["stream_p50"])
+    assert math.isnan(added["switchyard x2"]["plain_p50"])
+    assert all(math.isnan(r) for r in scaling_ratio(paths).values())
+    paths["switchyard x2"] = {"wrk": [_wrk("plain", 64, 1800.0), _wrk("stream", 64, 1000.0)]}
+    assert scaling_ratio(paths) == {"plain": 1.8, "stream": 2.0}
+
+
+def test_notes_name_a_busy_wrk_a_cpu_bound_gateway_a_backend_bound_rate_and_few_cores() -> None:
+    paths = {
+        "direct": {"wrk": [_wrk("plain", 64, 1000.0), _wrk("stream", 64, 1000.0)]},
+        "switchyard": {
+            "wrk": [
+                _wrk("plain", 64, 950.0, path_cores=0.5),
+                _wrk("stream", 64, 300.0, path_cores=0.97, wrk_cores=0.95),
+            ]
+        },
+    }
+    notes = "\n".join(bottleneck_notes(paths, cpu_count=2))
+    assert "switchyard stream c64: wrk used 0.95 of a core" in notes
+    assert "switchyard stream c64: its processes used 0.97 cores, so it was CPU-bound" in notes
+    assert "switchyard plain c64: 950 req/s is within 10% of the backend alone" in notes
+    assert "This machine has 2 cores" in notes
+    calm = {"switchyard": {"wrk": [_wrk("plain", 64, 300.0, path_cores=0.4)]}}
+    assert bottleneck_notes(calm, cpu_count=8) == [
+        "wrk stayed under 80% of a core and every gateway well below the backend alone: "
+        "the gateways set these rates."
+    ]
