@@ -87,6 +87,7 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
             await asyncio.gather(upkeep, return_exceptions=True)
             await gw.maintenance.close()
             await gw.redis.aclose()
+            await gw.workers.aclose()
 
     return Litestar(
         route_handlers=[

@@ -3,7 +3,6 @@ replicas), and keep the answer on the flight; a worker's refusal relayed with it
 
 import time
 
-import httpx
 from litestar import Response
 
 from gateway.context import Gateway
@@ -11,6 +10,7 @@ from gateway.dispatch import send_attempt
 from gateway.errors import error_response, upstream_error
 from gateway.flight import Attempt, Flight
 from gateway.plan import Plan
+from workers.api import UpstreamResponse
 
 
 def path_of(plan: Plan) -> str:
@@ -19,7 +19,7 @@ def path_of(plan: Plan) -> str:
 
 async def open_attempt(
     gw: Gateway, flight: Flight, attempt: Attempt, body: bytes, stream: bool
-) -> httpx.Response:
+) -> UpstreamResponse:
     """Wait for the attempt's turn, then send it (with retries across replicas)."""
     queued = time.monotonic()
     await attempt.lease.wait()
@@ -39,7 +39,7 @@ async def open_attempt(
     return upstream
 
 
-async def relayed_error(upstream: httpx.Response, headers: dict[str, str]) -> Response:
+async def relayed_error(upstream: UpstreamResponse, headers: dict[str, str]) -> Response:
     """A worker's refusal of the request itself (4xx, 500), with its status."""
     content = await upstream.aread()
     return error_response(upstream_error(upstream.status_code, content), headers)

@@ -14,13 +14,12 @@ import logging
 import random
 import time
 
-import httpx
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt
 from tenacity.wait import wait_base
 
 from gateway.admission import DeadlineExceeded
 from gateway.lease import Lease
-from workers.api import WorkerClient, WorkerUnavailable
+from workers.api import UpstreamResponse, WorkerClient, WorkerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +47,7 @@ class _WaitRetryAfter(wait_base):
         return min(base, self.cap_s) * (1.0 + 0.5 * self.rng.random())
 
 
-def _retry_after(r: httpx.Response) -> float:
+def _retry_after(r: UpstreamResponse) -> float:
     try:
         return float(r.headers.get("retry-after", "0.2"))
     except ValueError:
@@ -65,7 +64,7 @@ async def send_attempt(
     attempts: int,
     retry_cap_s: float,
     rng: random.Random,
-) -> httpx.Response:
+) -> UpstreamResponse:
     """The first answer that is not a refusal, with its status and headers read and its
     body unread (the caller reads or relays it, then closes it). The lease holds the slot
     of the worker that answered (`lease.worker`).
@@ -87,7 +86,7 @@ async def send_attempt(
 
 async def _try_once(
     client: WorkerClient, lease: Lease, path: str, body: bytes, stream: bool
-) -> httpx.Response:
+) -> UpstreamResponse:
     view = lease.next_worker()
     pool = lease.pool
     remaining_s = lease.ticket.deadline - time.monotonic()
@@ -122,11 +121,11 @@ async def _try_once(
     return r
 
 
-def _close_later(task: "asyncio.Future[httpx.Response]") -> None:
+def _close_later(task: "asyncio.Future[UpstreamResponse]") -> None:
     """A cancelled send may still have produced a response: close it so the connection
     goes back to the pool (and the worker sees the request abandoned)."""
 
-    def done(t: "asyncio.Future[httpx.Response]") -> None:
+    def done(t: "asyncio.Future[UpstreamResponse]") -> None:
         if not t.cancelled() and t.exception() is None:
             asyncio.ensure_future(t.result().aclose())
 

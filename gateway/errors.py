@@ -17,7 +17,7 @@ from quota.errors import (
     TenantExists,
     TenantNotFound,
 )
-from workers.api import ApiError, parse_error
+from workers.api import ApiError, UpstreamError, parse_error
 
 
 def retry_headers(seconds: float) -> dict[str, str]:
@@ -69,6 +69,10 @@ def to_api_error(exc: Exception, rng: random.Random) -> ApiError:
             type="server_error",
             code="upstream_unavailable",
             retry_after_s=jitter(getattr(exc, "retry_after_s", 1.0), rng),
+        )
+    if isinstance(exc, UpstreamError):  # the worker's connection broke mid-answer
+        return ApiError(
+            502, "the model server failed mid-answer", type="server_error", code="upstream_failed"
         )
     if isinstance(exc, TenantNotFound):
         return ApiError(
@@ -135,7 +139,14 @@ def exception_handlers(rng: random.Random) -> dict[Any, Any]:
     def handle(request: Request, exc: Exception) -> Response:
         err = to_api_error(exc, rng)
         if err.status >= 500 and not isinstance(
-            exc, ApiError | QuotaUnavailable | QueueFull | DeadlineExceeded | NoReplica | Refused
+            exc,
+            ApiError
+            | QuotaUnavailable
+            | QueueFull
+            | DeadlineExceeded
+            | NoReplica
+            | Refused
+            | UpstreamError,
         ):
             log.exception("unhandled error on %s", request.url.path)
         return error_response(err)

@@ -15,13 +15,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-import httpx
-
 from gateway.admission import Ticket
 from gateway.lease import Lease
 from gateway.plan import Plan, PublicRequest, Served, charge
 from quota.limiter import Reservation
 from quota.usage import UsagePart
+from workers.api import UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +40,7 @@ class Outcome:
 class Attempt:
     lease: Lease
     served: Served = field(default_factory=Served)
-    upstream: httpx.Response | None = None
+    upstream: UpstreamResponse | None = None
     reading: "asyncio.Future | None" = None  # the relay's pending read (abort cancels it)
 
 
@@ -84,7 +83,7 @@ class Flight:
         attempt.lease.enqueue()
         return attempt
 
-    def track(self, attempt: Attempt, upstream: httpx.Response) -> None:
+    def track(self, attempt: Attempt, upstream: UpstreamResponse) -> None:
         """The worker answered `attempt`: keep its response to close it at the end."""
         attempt.upstream = upstream
         attempt.served.accepted = upstream.status_code == 200
@@ -148,9 +147,9 @@ class Flight:
         latency_ms = round(latency * 1000)
         return Outcome(model, route, status, latency_ms, tuple(parts))
 
-    def _close(self, upstream: httpx.Response) -> None:
+    def _close(self, upstream: UpstreamResponse) -> None:
         if not upstream.is_closed:
-            self.gw.spawn(upstream.aclose())
+            upstream.close()
 
 
 class FlightStream:

@@ -9,7 +9,6 @@ import socket
 import sys
 from pathlib import Path
 
-import httpx
 from litestar import Litestar
 from prometheus_client import CollectorRegistry
 
@@ -50,11 +49,9 @@ def build_gateway(
     # fail-closed decision within a request's budget (quota.connection.retry_bound_s).
     redis = make_redis(redis_url)
     registry = CollectorRegistry()
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
     # Whole-request timeouts are the request's deadline (dispatch) and the stream's idle
-    # bound (relay); httpx's own read timeout is only a backstop.
-    http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=2.0), limits=limits)
-    workers = WorkerClient(http, first_byte_timeout_s=config.first_byte_timeout_s)
+    # bound (relay); the client bounds only connecting.
+    workers = WorkerClient(first_byte_timeout_s=config.first_byte_timeout_s)
     queue = QueueConfig(
         max_requests=config.queue_max_requests,
         max_tokens=config.queue_max_tokens,

@@ -170,4 +170,7 @@ async def _handle(
         return error_response(deadline_error(exc, flight.client_deadline, gw.rng), headers)
     except Exception as exc:
         flight.finish()
-        return error_response(to_api_error(exc, gw.rng), headers)
+        err = to_api_error(exc, gw.rng)
+        if err.status == 500:  # not a domain error: a bug, so its traceback is logged
+            log.exception("request %s failed", plan.request_id)
+        return error_response(err, headers)

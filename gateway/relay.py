@@ -13,11 +13,9 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-import httpx
-
 from gateway.flight import Attempt
 from gateway.plan import note_usage
-from workers.api import parse_chunk
+from workers.api import UpstreamError, UpstreamResponse, parse_chunk
 
 DONE = b"data: [DONE]\n\n"
 
@@ -65,7 +63,7 @@ async def _next(
 
 
 async def relay(
-    upstream: httpx.Response,
+    upstream: UpstreamResponse,
     attempt: Attempt,
     client_wants_usage: bool,
     deadline: float,
@@ -73,7 +71,7 @@ async def relay(
 ) -> AsyncIterator[bytes]:
     """Forward the upstream's SSE events, noting usage and progress in `attempt.served`.
 
-    Ends after `[DONE]` or an error event. Raises httpx errors when the worker dies
+    Ends after `[DONE]` or an error event. Raises UpstreamError when the worker dies
     mid-stream, StreamTimeout when it goes silent or the deadline passes, StreamAborted when
     the gateway cuts it; the caller
     reports those in-band.
@@ -128,5 +126,5 @@ async def _drain(it: AsyncIterator[bytes]) -> None:
         async with asyncio.timeout(1.0):
             async for _ in it:
                 pass
-    except (httpx.HTTPError, TimeoutError):
+    except (UpstreamError, TimeoutError):
         pass

@@ -21,7 +21,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import httpx
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
@@ -33,6 +32,7 @@ from gateway.dispatch import send_attempt
 from gateway.labels import LabelStore, RequestRecord
 from gateway.lease import Lease, NoReplica
 from gateway.plan import GatewayChatRequest, Plan, PublicRequest, upstream_body
+from workers.api import UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -314,13 +314,13 @@ class Learner:
                 settings.judge_min_token_logprob,
             )
         try:
-            r = await gw.workers.http.post(
+            status, answer = await gw.workers.post_json(
                 settings.judge_url,
-                json={**prompt, "small": small_text, "large": large_text},
-                timeout=JUDGE_TIMEOUT_S,
+                {**prompt, "small": small_text, "large": large_text},
+                JUDGE_TIMEOUT_S,
             )
-            ok = r.json().get("ok") if r.status_code == 200 else None
-        except (TimeoutError, httpx.HTTPError, ValueError, AttributeError) as exc:
+            ok = answer.get("ok") if status == 200 else None
+        except (UpstreamError, AttributeError) as exc:
             log.warning("the http judge at %s failed: %r", settings.judge_url, exc)
             return None
         return ok if isinstance(ok, bool) else None

@@ -6,7 +6,6 @@ import asyncio
 import logging
 import time
 
-import httpx
 import msgspec
 from litestar import Response
 
@@ -17,7 +16,7 @@ from gateway.errors import deadline_error, to_api_error, upstream_error
 from gateway.flight import Attempt, Flight, FlightStream
 from gateway.plan import charge, upstream_body
 from gateway.relay import DONE, StreamAborted, StreamTimeout, relay
-from workers.api import ApiError, EventStream, Usage
+from workers.api import ApiError, EventStream, UpstreamError, UpstreamResponse, Usage
 
 log = logging.getLogger("gateway.proxy")
 
@@ -86,7 +85,7 @@ async def _events_after(gw: Gateway, flight: Flight, attempt: Attempt, opening: 
         aborting.cancel()
 
 
-async def _relay_events(gw: Gateway, flight: Flight, attempt: Attempt, upstream: httpx.Response):
+async def _relay_events(gw: Gateway, flight: Flight, attempt: Attempt, upstream: UpstreamResponse):
     plan = flight.plan
     first = True
     pool = attempt.lease.pool.name
@@ -117,7 +116,7 @@ async def _relay_events(gw: Gateway, flight: Flight, attempt: Attempt, upstream:
     except StreamAborted:
         err = to_api_error(flight.abort_error, gw.rng)
         yield _usage_event(flight, attempt) + _error_event(err, flight)
-    except (httpx.HTTPError, StreamTimeout) as exc:
+    except (UpstreamError, StreamTimeout) as exc:
         url = attempt.lease.worker.url if attempt.lease.worker else "?"
         log.warning("stream of %s from %s ended early: %r", plan.request_id, url, exc)
         if isinstance(exc, StreamTimeout) and exc.deadline and flight.client_deadline:

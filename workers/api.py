@@ -5,11 +5,9 @@ Structs; decoding a request body with `decode_request` gives a typed object or a
 `ApiError` naming the offending field.
 """
 
-import asyncio
 import re
 from typing import Any, Literal
 
-import httpx
 import msgspec
 from litestar.response import Stream
 
@@ -251,77 +249,6 @@ def parse_error(body: bytes) -> ErrorInfo | None:
         return None
 
 
-class WorkerUnavailable(Exception):
-    """The worker could not be reached, or did not start its answer in time. Nothing of
-    the request was delivered to the client, so another replica may take it."""
-
-    def __init__(self, url: str, reason: str) -> None:
-        super().__init__(f"{url}: {reason}")
-        self.url = url
-        self.reason = reason
-
-
-class WorkerClient:
-    """The gateway's (and the tests') client for workers: one shared httpx pool.
-
-    `first_byte_timeout_s` bounds the wait for a response's status line. A worker sends
-    its headers as soon as it accepts a streaming request (and SSE comments while the
-    request waits for its first token), so a streaming request that gets no status within
-    this time went to a hung worker. A non-streaming answer starts only when it is whole:
-    the caller bounds those by the request's deadline and the worker's health instead.
-    """
-
-    def __init__(self, http: httpx.AsyncClient, first_byte_timeout_s: float = 10.0) -> None:
-        self.http = http
-        self.first_byte_timeout_s = first_byte_timeout_s
-
-    async def load(self, url: str, timeout_s: float = 1.0) -> LoadReport | None:
-        """The worker's `/load`; None when it cannot be had or is not a LoadReport."""
-        try:
-            r = await self.http.get(f"{url}/load", timeout=timeout_s)
-            if r.status_code != 200:
-                return None
-            return msgspec.json.decode(r.content, type=LoadReport)
-        except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError):
-            return None
-
-    async def alive(self, url: str, timeout_s: float = 1.0) -> bool:
-        """`/health` answers 200 (an OpenAI-compatible server without `/load`)."""
-        try:
-            return (await self.http.get(f"{url}/health", timeout=timeout_s)).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    async def post(
-        self, url: str, path: str, body: bytes, *, stream: bool, first_byte_timeout_s=None
-    ) -> httpx.Response:
-        """POST a request body; the response with its status and headers read and its body
-        not yet read (close it). Raises WorkerUnavailable on a transport error, or when a
-        streaming request's status does not come within the first-byte timeout."""
-        req = self.http.build_request(
-            "POST", f"{url}{path}", content=body, headers={"content-type": "application/json"}
-        )
-        timeout_s = first_byte_timeout_s or self.first_byte_timeout_s
-        try:
-            if not stream:
-                return await self.http.send(req, stream=True)
-            return await asyncio.wait_for(self.http.send(req, stream=True), timeout_s)
-        except TimeoutError:
-            raise WorkerUnavailable(url, f"no response within {timeout_s:g} s") from None
-        except httpx.TransportError as exc:
-            raise WorkerUnavailable(url, repr(exc)) from exc
-
-    async def drain(
-        self, url: str, *, exit_when_empty: bool = False, control_key: str | None = None
-    ) -> int:
-        """Ask a worker to stop admitting and finish what it holds; the HTTP status."""
-        headers = {"authorization": f"Bearer {control_key}"} if control_key else {}
-        r = await self.http.post(
-            f"{url}/drain", json={"exit_when_empty": exit_when_empty}, headers=headers
-        )
-        return r.status_code
-
-
 _PATH = re.compile(r"at `\$\.?([A-Za-z_][\w]*)")
 _MISSING = re.compile(r"missing required field `(\w+)`")
 
@@ -338,6 +265,14 @@ def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
 
+
+# The client for workers (aiohttp inside; defined in workers.client).
+from workers.client import (  # noqa: E402
+    UpstreamError,
+    UpstreamResponse,
+    WorkerClient,
+    WorkerUnavailable,
+)
 
 # Request bounds, shared by the worker and the gateway (pure; defined in workers.validation).
 from workers.validation import (  # noqa: E402
@@ -367,6 +302,8 @@ __all__ = [
     "StreamChunk",
     "StreamOptions",
     "Tool",
+    "UpstreamError",
+    "UpstreamResponse",
     "ToolCall",
     "ToolChoice",
     "Usage",

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import uvicorn
 import yaml
 
@@ -228,10 +227,10 @@ class Stack:
             loop.add_signal_handler(sig, self.on_signal, sig)
         gcfg = gateway_config(cfg, model_dirs, self.data_dir, admin_key)
         gw = build_gateway(gcfg, redis_url)
-        http = httpx.AsyncClient(timeout=httpx.Timeout(5.0, connect=1.0))
+        probe = WorkerClient(connect_timeout_s=1.0)
         supervisor = LocalSupervisor(
             worker_launches(cfg, model_dirs, self.data_dir / "run", self.opts),
-            WorkerClient(http),
+            probe,
             PoolMembership(gw.pools, self.data_dir / "prometheus" / "workers.json"),
             SupervisorConfig(
                 log_dir=self.data_dir / "logs",
@@ -299,7 +298,7 @@ class Stack:
                     await fleet_task
             console.note("stopping the workers")
             await supervisor.stop()
-            await http.aclose()
+            await probe.aclose()
 
     async def _wait_ready(self, gw: Gateway, supervisor: LocalSupervisor, url: str) -> bool:
         """Until every pool has its warm replicas ready and the gateway routes to them,

@@ -4,15 +4,14 @@
 import asyncio
 from typing import Any
 
-import httpx
 import msgspec
 
 from workers.api import LoadReport, WorkerClient
 
 
 async def _load(url: str) -> LoadReport | None:
-    async with httpx.AsyncClient() as http:
-        return await WorkerClient(http).load(url, timeout_s=5.0)
+    async with WorkerClient() as client:
+        return await client.load(url, timeout_s=5.0)
 
 
 def load_report(url: str) -> LoadReport:

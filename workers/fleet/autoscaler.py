@@ -218,4 +218,3 @@ def _hold_down_reason(
         if value is not None and value > config.ttft_slo_s:
             return f"{name} {value:.2f} s over the {config.ttft_slo_s:.2f} s SLO"
     return None
-

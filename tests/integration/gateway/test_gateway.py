@@ -160,8 +160,11 @@ def test_worker_dying_mid_stream_gives_an_in_band_error_and_done(stack):
             events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert "error" in json.loads(events[-2])
-    # Charged what was generated (5 tokens) plus the prompt.
-    assert eventually(lambda: stack.usage(key)["tokens_this_minute"] == 4 + 5)
+    # Charged the prompt and the tokens that reached the client: the backend sent 5 before
+    # dying, but those still in flight when the connection broke were never served.
+    received = sum(1 for e in events[:-2] if json.loads(e).get("choices"))
+    assert 0 <= received <= 5
+    assert eventually(lambda: stack.usage(key)["tokens_this_minute"] == 4 + received)
 
 
 def test_client_disconnect_reaches_the_worker_and_charges_what_was_used(stack):
