@@ -85,9 +85,9 @@ def bottleneck_notes(paths: dict[str, dict], cpu_count: int) -> list[str]:
     needed = 2 + 2  # wrk, the backend, two gateway processes
     if cpu_count < needed:
         notes.append(
-            f"This machine has {cpu_count} cores: wrk, the backend and the gateway's "
-            f"processes share them, so `switchyard x2` cannot show its scaling here "
-            f"(it needs at least {needed})."
+            f"This machine has {cpu_count} cores, fewer than the {needed} that wrk, the "
+            "backend and two gateway processes need to have one each: they shared cores, so "
+            "the x2 / x1 ratio is not the gateway's own scaling."
         )
     if not notes:
         notes.append(
