@@ -145,7 +145,7 @@ def compare_paths(opts: GatewayBenchOptions, tmp: Path, redis_url: str, steps: t
         "paths": paths,
         "added_latency_ms": added_latency(paths),
         "scaling_x2_over_x1_c64": scaling_ratio(paths),
-        "bottleneck_notes": bottleneck_notes(paths, os.cpu_count() or 1),
+        "bottleneck_notes": bottleneck_notes(paths, os.cpu_count() or 1) if wrk_path() else [],
         "wrk": {
             "available": wrk_path() is not None,
             "note": "wrk is not installed (apt-get install wrk); no throughput or CPU figures",

@@ -73,7 +73,10 @@ def wrk_cells(path: BenchPath, plan: LoadPlan) -> list[dict[str, Any]]:
                 )
                 c1, e1 = cpu_seconds(path.pids), cpu_seconds(path.extra_pids)
                 if r.requests == 0 or r.duration_s <= 0:
-                    raise RuntimeError(f"no request completed in {plan.wrk_duration_s:.0f} s")
+                    raise RuntimeError(
+                        f"no request completed in the {plan.wrk_duration_s:.0f} s run "
+                        "(each took longer at this concurrency)"
+                    )
                 n = r.requests
                 row |= {
                     "rps": r.rps,

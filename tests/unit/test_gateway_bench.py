@@ -5,7 +5,12 @@ import math
 from pathlib import Path
 
 from benchmarks.gateway_paths import render_peer_cmd
-from benchmarks.gateway_report import added_latency, bottleneck_notes, scaling_ratio
+from benchmarks.gateway_report import (
+    added_latency,
+    bottleneck_notes,
+    paths_markdown,
+    scaling_ratio,
+)
 
 
 def test_peer_cmd_fills_backend_port_and_dir_and_leaves_other_braces() -> None:
@@ -64,3 +69,21 @@ def test_notes_name_a_busy_wrk_a_cpu_bound_gateway_a_backend_bound_rate_and_few_
         "wrk stayed under 80% of a core and every gateway well below the backend alone: "
         "the gateways set these rates."
     ]
+
+
+def test_without_wrk_the_report_says_so_and_still_shows_latency_and_error_rows() -> None:
+    lat = {"plain": {"p50": 1.0, "p99": 3.0}, "stream": {"p50": 2.0, "p99": 5.0}}
+    relay = {"p50": 1.0, "p99": 2.0, "chunks": 10}
+    paths = {
+        "direct": {"what": "backend", "latency_ms": lat, "relay_delay_ms": relay, "wrk": []},
+        "switchyard x2": {"what": "two", "error": "RuntimeError: exited with 1 | before ready"},
+    }
+    data = {
+        "paths": paths,
+        "added_latency_ms": added_latency(paths),
+        "wrk": {"available": False, "note": "wrk is not installed", "duration_s": 10.0},
+    }
+    md = "\n".join(paths_markdown(data))
+    assert "**Skipped: wrk is not installed**" in md
+    assert "| switchyard x2 | two | RuntimeError: exited with 1 / before ready |" in md
+    assert "| direct | 1.00 | 3.00 | 2.00 | 5.00 |" in md
