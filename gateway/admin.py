@@ -91,7 +91,9 @@ def admin_router(gw: Gateway) -> Router:
         if current is None:
             raise TenantNotFound(tenant_id)
         changes = tenant_patch(current, body, gw.pools)
-        return asdict(await gw.store.update_tenant(tenant_id, **changes))
+        updated = await gw.store.update_tenant(tenant_id, **changes)
+        gw.keys_changed()
+        return asdict(updated)
 
     @put("/tenants/{tenant_id:str}", status_code=200)
     async def replace_tenant(request: Request, tenant_id: FromPath[str]) -> dict[str, Any]:
@@ -100,13 +102,16 @@ def admin_router(gw: Gateway) -> Router:
         body = await _json_object(request)
         check_fields(body, TENANT_FIELDS)
         whole = new_tenant(tenant_id, body, gw.pools)
-        return asdict(await gw.store.update_tenant(tenant_id, **whole))
+        updated = await gw.store.update_tenant(tenant_id, **whole)
+        gw.keys_changed()
+        return asdict(updated)
 
     @delete("/tenants/{tenant_id:str}", status_code=200)
     async def delete_tenant(request: Request, tenant_id: FromPath[str]) -> dict[str, Any]:
         _require_admin(gw, request)
         if not await gw.store.delete_tenant(tenant_id):
             raise TenantNotFound(tenant_id)
+        gw.keys_changed()
         return {"deleted": tenant_id}
 
     @post("/tenants/{tenant_id:str}/keys", status_code=201)
@@ -139,6 +144,7 @@ def admin_router(gw: Gateway) -> Router:
         _require_admin(gw, request)
         if not await gw.store.revoke_key(key_id):
             raise ApiError(404, f"unknown key {key_id!r}", param="key_id", code="key_not_found")
+        gw.keys_changed()
         return {"revoked": key_id}
 
     @get("/fleet")

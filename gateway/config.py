@@ -48,6 +48,10 @@ class GatewayConfig:
     classifier_path: str | None = None  # None: the artifact shipped in cascade/artifacts
     routing_poll_s: float = 0.5  # how often replicas look for a new routing version
     known_key_ttl_s: float = 300.0  # how long a key stays usable through a Redis outage
+    # A key that authenticated this recently is not looked up in Redis again: revoking it,
+    # its expiry, or a change of its (or its tenant's) limits applies within this. 0: every
+    # request reads the key and its tenant from Redis (two round trips).
+    key_cache_ttl_s: float = 1.0
     # Redis unreachable: per limit class "open" (serve unchecked) or "closed" (503).
     quota_heartbeat_ttl_s: float = 5.0  # a gateway silent this long is dead: its slots freed
     quota_sweep_interval_s: float = 1.0  # journal replay and dead-gateway sweeps

@@ -44,11 +44,18 @@ class Gateway:
     # Per pool, what a fleet supervisor in this process knows (replicas, the autoscaler's
     # last decision), merged into GET /admin/fleet; None: the pools are static URL lists.
     fleet_status: "Callable[[], dict[str, Any]] | None" = None
-    # Keys that authenticated recently, used only while Redis is unreachable (stale if
-    # error): a known key keeps working through an outage, an unknown key never does.
+    # Keys that authenticated recently (digest -> (caller, monotonic time)): taken without
+    # a Redis lookup for `key_cache_ttl_s`, and while Redis is unreachable for
+    # `known_key_ttl_s` (a known key keeps working through an outage, an unknown one never).
     known_keys: dict[bytes, tuple[Any, float]] = field(default_factory=dict)
+    keys_changed_at: float = 0.0  # an admin change through this process: older entries stale
     _background: set[asyncio.Task] = field(default_factory=set)
     flights: set[Any] = field(default_factory=set)  # requests not settled yet (gateway.flight)
+
+    def keys_changed(self) -> None:
+        """A key or tenant changed through this process's admin API: its next request
+        reads Redis (other processes see the change within `key_cache_ttl_s`)."""
+        self.keys_changed_at = time.monotonic()
 
     def cache_salt(self, tenant_id: str) -> str:
         """Prefix-cache namespace per tenant: one tenant's cached prompts never serve another."""

@@ -59,7 +59,9 @@ async def authenticate_key(gw: Gateway, request: Request) -> tuple[str | None, T
 async def authenticate_caller(
     gw: Gateway, request: Request
 ) -> tuple[str | None, Tenant, TenantLimits | None]:
-    """The caller's key id, tenant and the key's own limits. While Redis is unreachable,
+    """The caller's key id, tenant and the key's own limits. A key that authenticated in
+    the last `key_cache_ttl_s` is taken as it was then (no Redis round trip); so revoking a
+    key, or changing limits, applies within that. While Redis is unreachable,
     only a key that authenticated in the last `known_key_ttl_s` is accepted (as it was
     then): never an unknown key."""
     header = request.headers.get("authorization", "")
@@ -69,6 +71,13 @@ async def authenticate_caller(
         )
     plaintext = header[7:].strip()
     digest = hashlib.blake2b(plaintext.encode(), digest_size=16).digest()
+    cached = gw.known_keys.get(digest)
+    if (
+        cached is not None
+        and cached[1] > gw.keys_changed_at
+        and time.monotonic() - cached[1] < gw.config.key_cache_ttl_s
+    ):
+        return cached[0]  # authenticated against Redis within the last key_cache_ttl_s
     t0 = time.perf_counter()
     try:
         found = await gw.store.authenticate(plaintext)
@@ -77,7 +86,6 @@ async def authenticate_caller(
     except Exception as exc:
         if gw.metrics is not None:
             gw.metrics.redis_errors.labels("auth").inc()
-        cached = gw.known_keys.get(digest)
         if cached is not None and time.monotonic() - cached[1] < gw.config.known_key_ttl_s:
             return cached[0]  # (key id, tenant, key limits) as last seen
         log.warning("key lookup failed and the key is not known: %r", exc)

@@ -222,9 +222,7 @@ def test_real_model_outputs_validate(real_model_dir):
     """The real checkpoint (SmolLM2-135M-Instruct, a 49k vocabulary) under the same schemas."""
     engine = LLMEngine.from_pretrained(
         real_model_dir,
-        EngineConfig(
-            num_kv_blocks=256, block_size=16, scheduler=SchedulerConfig(max_num_seqs=8)
-        ),
+        EngineConfig(num_kv_blocks=256, block_size=16, scheduler=SchedulerConfig(max_num_seqs=8)),
     )
     names = ["nested", "arrays_enums", "numbers", "any_of"]
     reqs = [
