@@ -10,7 +10,7 @@ import asyncio
 import math
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
@@ -46,7 +46,19 @@ class DeadlineExceeded(Exception):
 class QueueConfig:
     max_requests: int = 256  # waiting requests per pool
     max_tokens: int = 262144  # waiting cost tokens per pool (prompt + max_tokens)
-    quantum_tokens: int = 4096  # deficit-round-robin credit per tenant visit, times weight
+    # Deficit-round-robin credit per tenant visit, times weight. Small against a request's
+    # cost (prompt + max_tokens), so tenants alternate request by request: with a large
+    # quantum a flooding tenant sends a long run of requests on each of its turns.
+    quantum_tokens: int = 256
+    # Share of the pool's slots kept for tenants under their fair share (slots / active
+    # tenants) while several tenants are active: a tenant over its share takes a slot only
+    # while more than this many are free, so a light tenant's request finds one at once
+    # instead of waiting for a flooding tenant's to end. Unused with one active tenant.
+    reserve_fraction: float = 0.125
+    # Longest a request may wait for its turn; past it, it leaves the queue refused (503,
+    # Retry-After) so that what is accepted starts promptly under overload. None: only the
+    # request's own deadline bounds its wait.
+    max_wait_s: float | None = None
     retry_after_s: float = 1.0  # Retry-After base of a refusal
     retry_after_jitter_s: float = 1.0  # plus uniform(0, this)
 
@@ -139,12 +151,21 @@ class FairQueue:
         self._by_id[ticket.request_id] = ticket
         self._num_tokens += ticket.cost_tokens
 
-    def pop(self) -> tuple[Ticket | None, list[Ticket]]:
-        """The next ticket in fair order (None when nothing live waits), and the tickets
-        dropped on the way because their deadline passed (never to be dispatched)."""
+    def tenants(self) -> Iterable[str]:
+        """Tenants with tickets waiting."""
+        return self._tenants.keys()
+
+    def pop(
+        self, eligible: Callable[[str], bool] | None = None
+    ) -> tuple[Ticket | None, list[Ticket]]:
+        """The next ticket in fair order (None when nothing live waits, or no tenant with
+        tickets is `eligible` now), and the tickets dropped on the way because their
+        deadline passed (never to be dispatched). A tenant that is not eligible keeps its
+        place and deficit; its turn passes."""
         now = self._clock()
         dropped: list[Ticket] = []
         num_passed = 0  # turns passed in a row without sending anything
+        skipped: set[str] = set()  # tenants passed over as not eligible
         while self._ring:
             tenant_id = self._ring[0]
             tenant = self._tenants[tenant_id]
@@ -153,6 +174,14 @@ class FairQueue:
                 dropped.append(self._forget(tickets.popleft()))
             if not tickets:
                 self._retire(tenant_id)
+                skipped.discard(tenant_id)
+                continue
+            if eligible is not None and not eligible(tenant_id):
+                skipped.add(tenant_id)
+                if len(skipped) >= len(self._ring):
+                    return None, dropped  # nobody waiting may take a slot now
+                self._ring.rotate(-1)
+                self._granted = False
                 continue
             if not self._granted:
                 tenant.deficit += self.config.quantum_tokens * tenant.weight
@@ -167,8 +196,8 @@ class FairQueue:
             self._ring.rotate(-1)
             self._granted = False
             num_passed += 1
-            if num_passed >= len(self._ring):
-                self._fast_forward(now)
+            if num_passed >= len(self._ring) - len(skipped):
+                self._fast_forward(now, skipped)
                 num_passed = 0
         return None, dropped
 
@@ -201,20 +230,24 @@ class FairQueue:
         else:
             self._ring.remove(tenant_id)
 
-    def _fast_forward(self, now: float) -> None:
+    def _fast_forward(self, now: float, skipped: set[str]) -> None:
         # A whole round sent nothing: every head is larger than its tenant's deficit.
         # Hand out at once the rounds in which nobody could send, instead of looping
         # through them (a large ticket against a small quantum would take many rounds).
         need = math.inf
-        for tenant in self._tenants.values():
+        for tenant_id, tenant in self._tenants.items():
+            if tenant_id in skipped:
+                continue
             head = tenant.tickets[0]
             if head.deadline <= now:
                 return  # it will be dropped on its visit, changing that tenant's head
             credit = self.config.quantum_tokens * tenant.weight
             need = min(need, math.ceil((head.cost_tokens - tenant.deficit) / credit))
         num_rounds = int(need) - 1
-        if num_rounds > 0:
-            for tenant in self._tenants.values():
+        if num_rounds > 0 and math.isfinite(need):
+            for tenant_id, tenant in self._tenants.items():
+                if tenant_id in skipped:
+                    continue
                 tenant.deficit += num_rounds * self.config.quantum_tokens * tenant.weight
 
 
@@ -223,6 +256,7 @@ class _Waiter:
     ticket: Ticket
     future: asyncio.Future[None]
     timer: asyncio.TimerHandle | None
+    expires_at: float  # the ticket's deadline, or sooner by the queue's max_wait_s
 
 
 class AdmissionController:
@@ -241,13 +275,16 @@ class AdmissionController:
         queue: FairQueue,
         has_room: Callable[[], bool],
         clock: Callable[[], float],
+        slots: Callable[[], tuple[int, int]] | None = None,
     ) -> None:
         self._queue = queue
         self._has_room = has_room
         self._clock = clock
+        self._slots = slots  # (free, total) worker slots; None: no reserve for light tenants
         self._waiters: dict[str, _Waiter] = {}
         self._num_unclaimed = 0  # dispatched tickets whose task has not resumed yet
         self._num_dispatched = 0  # dispatched and not yet released
+        self._by_tenant: dict[str, int] = {}  # dispatched and not yet released, per tenant
 
     @property
     def num_waiting(self) -> int:
@@ -276,16 +313,25 @@ class AdmissionController:
         now = self._clock()
         if ticket.deadline <= now:
             raise DeadlineExceeded(ticket.request_id, ticket.deadline, 0.0, "start")
-        if len(self._queue) == 0 and self._num_unclaimed == 0 and self._has_room():
-            self._num_dispatched += 1
+        if (
+            len(self._queue) == 0
+            and self._num_unclaimed == 0
+            and self._has_room()
+            and self._may_take(ticket.tenant_id)
+        ):
+            self._taken(ticket.tenant_id)
             return None
         self._queue.push(ticket)
         loop = asyncio.get_running_loop()
         timer = None
-        if math.isfinite(ticket.deadline):
-            timer = loop.call_later(ticket.deadline - now, self._expire, ticket.request_id)
+        expires_at = ticket.deadline
+        max_wait_s = self._queue.config.max_wait_s
+        if max_wait_s is not None:
+            expires_at = min(expires_at, now + max_wait_s)
+        if math.isfinite(expires_at):
+            timer = loop.call_later(expires_at - now, self._expire, ticket.request_id)
         future: asyncio.Future[None] = loop.create_future()
-        self._waiters[ticket.request_id] = _Waiter(ticket, future, timer)
+        self._waiters[ticket.request_id] = _Waiter(ticket, future, timer, expires_at)
         self._dispatch()
         return future
 
@@ -297,14 +343,44 @@ class AdmissionController:
             self.abandon(ticket, future)
             raise
         self._num_unclaimed -= 1
-        self._num_dispatched += 1
+        self._taken(ticket.tenant_id)
         # Runs after this task's current step, i.e. after the caller took its capacity.
         asyncio.get_running_loop().call_soon(self._dispatch)
 
-    def release(self) -> None:
-        """A dispatched request finished (its capacity is back): dispatch what fits."""
+    def release(self, tenant_id: str) -> None:
+        """A dispatched request of `tenant_id` finished (its capacity is back): dispatch
+        what fits."""
         self._num_dispatched = max(0, self._num_dispatched - 1)
+        held = self._by_tenant.get(tenant_id, 0) - 1
+        if held > 0:
+            self._by_tenant[tenant_id] = held
+        else:
+            self._by_tenant.pop(tenant_id, None)
         self._dispatch()
+
+    def dispatched_of(self, tenant_id: str) -> int:
+        """The tenant's requests dispatched and not yet released."""
+        return self._by_tenant.get(tenant_id, 0)
+
+    def _taken(self, tenant_id: str) -> None:
+        self._num_dispatched += 1
+        self._by_tenant[tenant_id] = self._by_tenant.get(tenant_id, 0) + 1
+
+    def _may_take(self, tenant_id: str) -> bool:
+        """Whether a request of `tenant_id` may take a slot now: always while more than the
+        reserve is free or it is the only active tenant, else only under its fair share."""
+        if self._slots is None:
+            return True
+        free, total = self._slots()
+        reserve = math.ceil(total * self._queue.config.reserve_fraction)
+        if free > reserve:
+            return True
+        active = set(self._by_tenant)
+        active.update(self._queue.tenants())
+        active.add(tenant_id)
+        if len(active) <= 1:
+            return True
+        return self._by_tenant.get(tenant_id, 0) < total / len(active)
 
     def kick(self) -> None:
         """Capacity may have changed (worker loads refreshed): dispatch what fits."""
@@ -312,7 +388,7 @@ class AdmissionController:
 
     def _dispatch(self) -> None:
         while self._num_unclaimed == 0 and len(self._queue) > 0 and self._has_room():
-            ticket, dropped = self._queue.pop()
+            ticket, dropped = self._queue.pop(self._may_take)
             for expired in dropped:
                 self._fail(expired)
             if ticket is None:
@@ -329,7 +405,7 @@ class AdmissionController:
         waiter = self._waiters.get(request_id)
         if waiter is None:
             return
-        remaining_s = waiter.ticket.deadline - self._clock()
+        remaining_s = waiter.expires_at - self._clock()
         if remaining_s > 0:  # the loop's timer ran a little ahead of our clock
             loop = asyncio.get_running_loop()
             waiter.timer = loop.call_later(remaining_s, self._expire, request_id)

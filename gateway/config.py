@@ -24,8 +24,12 @@ class GatewayConfig:
     load_poll_interval_s: float = 0.2
     max_inflight_per_worker: int = 32
     queue_max_requests: int = 256
+    # Longest wait for a turn in the queue (503 + Retry-After past it); None: only the
+    # request's deadline. Set it near the unloaded TTFT to keep accepted requests prompt.
+    queue_max_wait_s: float | None = None
+    queue_reserve_fraction: float = 0.125  # slots kept for tenants under their fair share
     queue_max_tokens: int = 262144
-    queue_quantum_tokens: int = 4096
+    queue_quantum_tokens: int = 256  # DRR credit per tenant visit (gateway/admission.py)
     retry_after_s: float = 1.0
     retry_after_jitter_s: float = 1.0
     dispatch_attempts: int = 3  # tries across replicas before the first token

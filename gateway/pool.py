@@ -39,7 +39,7 @@ class Pool:
         self._service: deque[tuple[float, float]] = deque(maxlen=512)  # (finished, held s)
         self._ttfts: deque[tuple[float, float]] = deque(maxlen=512)  # (when, TTFT s)
         self._tokens: deque[tuple[float, int]] = deque(maxlen=4096)  # (settled, tokens out)
-        self.controller = AdmissionController(self.queue, self.has_room, clock)
+        self.controller = AdmissionController(self.queue, self.has_room, clock, self.slots)
         self._reported: dict[str, str] = {}
         self._lost: dict[str, asyncio.Event] = {}
 
@@ -113,6 +113,15 @@ class Pool:
 
     def has_room(self) -> bool:
         return any(has_room(v) for v in self.views.values())
+
+    def slots(self) -> tuple[int, int]:
+        """(free, total) in-flight slots of this gateway on the ready workers."""
+        free = total = 0
+        for v in self.views.values():
+            if v.state == "ready":
+                total += v.max_inflight
+                free += max(0, v.max_inflight - v.inflight)
+        return free, total
 
     def choose(self, affinity: bytes | None, exclude: set[str]) -> WorkerView | None:
         return choose_worker(list(self.views.values()), affinity, exclude)

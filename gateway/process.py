@@ -54,6 +54,8 @@ def build_gateway(
     workers = WorkerClient(first_byte_timeout_s=config.first_byte_timeout_s)
     queue = QueueConfig(
         max_requests=config.queue_max_requests,
+        max_wait_s=config.queue_max_wait_s,
+        reserve_fraction=config.queue_reserve_fraction,
         max_tokens=config.queue_max_tokens,
         quantum_tokens=config.queue_quantum_tokens,
         retry_after_s=config.retry_after_s,

@@ -28,6 +28,7 @@ class FakeClock:
 
 
 def make_queue(clock: FakeClock | None = None, seed: int = 0, **config: float) -> FairQueue:
+    config.setdefault("quantum_tokens", 4096)  # these tests' tickets cost 1000 by default
     return FairQueue(QueueConfig(**config), clock or FakeClock(), random.Random(seed))  # type: ignore[arg-type]
 
 
@@ -184,7 +185,7 @@ def test_a_ticket_far_larger_than_the_quantum_is_served_without_spinning() -> No
 
 def test_skipping_empty_rounds_never_changes_the_drr_order() -> None:
     class PlainDRR(FairQueue):
-        def _fast_forward(self, now: float) -> None:
+        def _fast_forward(self, now: float, skipped: set[str]) -> None:
             pass  # visit every round one by one: the reference order
 
     for trial in range(40):
@@ -307,7 +308,7 @@ async def serve(
         for _ in range(hold):
             await asyncio.sleep(0)
     pool.give_back()
-    ctl.release()
+    ctl.release(ticket.tenant_id)
 
 
 def test_acquire_dispatches_without_waiting_when_queue_empty_and_room() -> None:
@@ -490,5 +491,107 @@ def test_a_waiter_cancelled_after_dispatch_passes_its_turn_on() -> None:
         await second
         assert order == ["b1"]
         assert pool.max_seen == 1 and ctl.num_dispatched == 0
+
+    run(main())
+
+
+# -- fairness at the slots: a reserve for tenants under their share -------------------------
+
+
+def test_pop_passes_over_a_tenant_that_may_not_take_a_slot_and_keeps_its_place() -> None:
+    queue = make_queue(quantum_tokens=1000)
+    for request_id in ["a1", "a2", "b1", "b2"]:
+        queue.push(make_ticket(request_id))
+    ticket, _ = queue.pop(lambda tenant: tenant != "a")
+    assert ticket.request_id == "b1"
+    assert queue.pop(lambda tenant: False) == (None, [])
+    assert len(queue) == 3
+    assert pop_all(queue) == ["a1", "b2", "a2"]
+
+
+def make_reserving_controller(capacity: int, **config: float) -> tuple[AdmissionController, Pool]:
+    pool = Pool(capacity)
+    queue = FairQueue(QueueConfig(**config), time.monotonic, random.Random(0))  # type: ignore[arg-type]
+
+    def slots() -> tuple[int, int]:
+        return max(0, pool.capacity - pool.inflight), pool.capacity
+
+    return AdmissionController(queue, pool.has_room, time.monotonic, slots), pool
+
+
+def test_one_tenant_alone_may_use_every_slot() -> None:
+    async def main() -> None:
+        ctl, pool = make_reserving_controller(8, reserve_fraction=0.25)
+        for i in range(8):
+            assert ctl.enqueue(make_ticket(f"a{i}", cost_tokens=10)) is None
+            pool.take()
+        assert ctl.dispatched_of("a") == 8
+
+    run(main())
+
+
+def test_a_flooding_tenant_leaves_the_reserve_to_a_light_one_who_gets_a_slot_at_once() -> None:
+    async def main() -> None:
+        ctl, pool = make_reserving_controller(8, reserve_fraction=0.25)  # reserve: 2 slots
+        order: list[str] = []
+        hold = asyncio.Event()
+
+        def request(request_id: str) -> asyncio.Task:
+            ticket = make_ticket(request_id, cost_tokens=10)
+            return asyncio.create_task(serve(ctl, pool, ticket, order, hold))
+
+        tasks = [request("b0")]  # the light tenant is active
+        await asyncio.sleep(0)
+        tasks += [request(f"a{i}") for i in range(20)]
+        for _ in range(10):
+            await asyncio.sleep(0)
+        # The heavy one stops where only the reserve is left: 1 + 5 in flight, 2 free.
+        assert ctl.dispatched_of("a") == 5 and pool.inflight == 6
+        tasks.append(request("b1"))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert order[-1] == "b1"  # a reserved slot at once, ahead of 15 waiting
+        hold.set()
+        await asyncio.gather(*tasks)
+        assert len(order) == 22
+
+    run(main())
+
+
+def test_over_its_share_a_tenant_still_gets_its_fair_share_of_slots() -> None:
+    """Two flooding tenants: neither is held back below total / 2 by the reserve."""
+
+    async def main() -> None:
+        ctl, pool = make_reserving_controller(8, reserve_fraction=0.25)
+        order: list[str] = []
+        hold = asyncio.Event()
+        tasks = [
+            asyncio.create_task(
+                serve(ctl, pool, make_ticket(f"{t}{i}", cost_tokens=10), order, hold)
+            )
+            for i in range(10)
+            for t in "ab"
+        ]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert ctl.dispatched_of("a") == 4 and ctl.dispatched_of("b") == 4
+        hold.set()
+        await asyncio.gather(*tasks)
+        assert sorted(order) == sorted(f"{t}{i}" for i in range(10) for t in "ab")
+
+    run(main())
+
+
+def test_a_request_that_waits_past_the_queues_max_wait_is_refused_from_the_queue() -> None:
+    async def main() -> None:
+        ctl, pool = make_controller(capacity=1, max_wait_s=0.05)
+        assert ctl.enqueue(make_ticket("a1")) is None
+        pool.take()
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceeded) as err:
+            await ctl.acquire(make_ticket("b1"))  # no deadline of its own
+        assert err.value.stage == "queue"
+        assert 0.04 <= time.monotonic() - t0 < 1.0
+        assert ctl.num_waiting == 0
 
     run(main())
