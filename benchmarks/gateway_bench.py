@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.gateway_load import LoadPlan, measure_path, open_loop, summarise_open_loop
+from benchmarks.gateway_load import BODY, LoadPlan, measure_path, open_loop, summarise_open_loop
 from benchmarks.gateway_paths import (
     BenchPath,
     PeerOptions,
@@ -37,7 +38,7 @@ from benchmarks.gateway_report import (
 )
 from benchmarks.processes import child_process, free_port
 from benchmarks.stats import write_report
-from benchmarks.wrk import wrk_path
+from benchmarks.wrk import run_wrk, wrk_path
 
 # The throughput gateways admit up to this many requests per worker before queueing, above
 # the 64 connections of the largest wrk cell: the runs measure relaying, not the queue, and
@@ -202,7 +203,44 @@ def overload_and_fairness(tmp: Path, redis_url: str, overload_s: float, steps: t
             "heavy": summarise_open_loop(both[heavy]),
         }
     steps.update()
-    return {"overload": overload, "fairness": fairness}
+    return {
+        "overload": overload,
+        "fairness": fairness,
+        "fairness_cpu_saturated": fairness_cpu_saturated(tmp, redis_url, min(overload_s, 10.0)),
+    }
+
+
+def fairness_cpu_saturated(tmp: Path, redis_url: str, run_s: float) -> dict:
+    """The gateway's own CPU saturated: a heavy tenant from wrk (64 connections, plain
+    requests as fast as they are answered, far more than one gateway process relays), a
+    light tenant at 16 streams/s; the light tenant's TTFT against its solo value. Without
+    wrk: skipped."""
+    if wrk_path() is None:
+        return {"skipped": "wrk is not installed (apt-get install wrk)"}
+    with bench_stack(
+        tmp,
+        redis_url,
+        token_delay_s=0.01,
+        max_inflight_per_worker=THROUGHPUT_INFLIGHT,
+        queue_max_requests=1024,
+    ) as (gw, _):
+        heavy, light = make_key(gw, "heavy-cpu"), make_key(gw, "light-cpu")
+        solo = asyncio.run(open_loop(gw, {light: 16.0}, run_s, 30.0))[light]
+        url, body, headers = f"{gw}/v1/completions", BODY, {"authorization": f"Bearer {heavy}"}
+        with ThreadPoolExecutor(1) as pool:
+            flood = pool.submit(run_wrk, url, body, headers, connections=64, duration_s=run_s + 2)
+            time.sleep(1.0)  # the flood is on before the light tenant's run starts
+            both = asyncio.run(open_loop(gw, {light: 16.0}, run_s, 30.0))[light]
+            heavy_run = flood.result()
+    return {
+        "light_solo": summarise_open_loop(solo),
+        "light_with_heavy": summarise_open_loop(both),
+        "heavy": {
+            "requests": heavy_run.requests,
+            "refused_or_failed": heavy_run.errors,
+            "served_per_s": (heavy_run.requests - heavy_run.errors) / heavy_run.duration_s,
+        },
+    }
 
 
 def run_gateway_bench(opts: GatewayBenchOptions) -> dict:

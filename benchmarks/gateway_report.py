@@ -263,7 +263,37 @@ def overload_fairness_markdown(d: dict[str, Any]) -> list[str]:
         ),
         f"\nLight tenant p99 TTFT with the heavy one {fr:.2f}x its solo value (target <= 1.5x).",
     ]
+    parts += _cpu_saturated_markdown(d.get("fairness_cpu_saturated"))
     return parts
+
+
+def _cpu_saturated_markdown(f: dict[str, Any] | None) -> list[str]:
+    if not f:
+        return []
+    head = "\n## Fairness with the gateway's own CPU saturated\n"
+    if "skipped" in f:
+        return [head, f"Skipped: {f['skipped']}."]
+    fr = f["light_with_heavy"]["ttft_p99_ms"] / f["light_solo"]["ttft_p99_ms"]
+    h = f["heavy"]
+    return [
+        head,
+        "A heavy tenant from wrk (64 connections, plain requests back to back, more than one "
+        "gateway process relays) and a light tenant at 16 streams/s. The door "
+        "(gateway/door.py) refuses the tenant over its share while the event loop lags.\n",
+        markdown_table(
+            [{"who": k, **v} for k, v in f.items() if k != "heavy"],
+            [
+                ("who", "tenant"),
+                ("accepted", "accepted"),
+                ("refused", "refused"),
+                ("ttft_p50_ms", "TTFT p50 ms"),
+                ("ttft_p99_ms", "TTFT p99 ms"),
+            ],
+        ),
+        f"\nHeavy tenant: {h['requests']:,} requests, {h['refused_or_failed']:,} refused (429 "
+        f"at the door) or failed, {h['served_per_s']:.0f} served/s.",
+        f"\nLight tenant p99 TTFT with the heavy one {fr:.2f}x its solo value (target <= 1.5x).",
+    ]
 
 
 def gateway_markdown(data: dict[str, Any], quick: bool) -> str:

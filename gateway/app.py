@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.admin import admin_router
 from gateway.context import Gateway
 from gateway.dashboard import dashboard_routes
+from gateway.door import Door, LoopMonitor, door_middleware
 from gateway.errors import exception_handlers
 from gateway.intake import authenticate
 from gateway.learning_api import learning_routes
@@ -65,8 +66,12 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
             content = generate_latest(gw.registry)
         return Response(content=content, media_type=CONTENT_TYPE_LATEST)
 
+    monitor, middleware = _door(gw)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        if monitor is not None:
+            monitor.start()
         if process_metrics is not None:
             await process_metrics.start()  # siblings may ask for this process's metrics
         poller = asyncio.ensure_future(_poll_loads(gw))
@@ -88,6 +93,8 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
             await gw.maintenance.close()
             await gw.redis.aclose()
             await gw.workers.aclose()
+            if monitor is not None:
+                monitor.stop()
 
     return Litestar(
         route_handlers=[
@@ -103,6 +110,7 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
             *learning_routes(gw),
         ],
         exception_handlers=exception_handlers(gw.rng),
+        middleware=middleware,
         lifespan=[lifespan],
         request_max_body_size=gw.config.max_body_bytes * 2,
         openapi_config=OpenAPIConfig(
@@ -112,6 +120,34 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
             "Served at /schema/openapi.json.",
         ),
     )
+
+
+def _door(gw: Gateway) -> tuple[LoopMonitor | None, list]:
+    """The door (gateway/door.py) as a middleware, and the loop monitor it reads; none
+    when `door_lag_threshold_s` is None."""
+    threshold_s = gw.config.door_lag_threshold_s
+    if threshold_s is None:
+        return None, []
+    metrics = gw.metrics
+    monitor = LoopMonitor(on_tick=metrics.loop_lag.set if metrics is not None else None)
+    door = Door(
+        lambda: monitor.lag_s > threshold_s,
+        gw.config.door_window_s,
+        min_rate_per_s=gw.config.door_min_rate_per_s,
+    )
+
+    def tenant_of(digest: bytes) -> str | None:
+        known = gw.known_keys.get(digest)
+        return known[0][1].tenant_id if known is not None else None
+
+    def refused(tenant_id: str) -> None:
+        if metrics is not None:
+            metrics.door_refusals.labels(metrics.tenant(tenant_id)).inc()
+
+    def middleware(app):  # noqa: ANN001, ANN202 (ASGI)
+        return door_middleware(app, door, tenant_of, on_refusal=refused, rng=gw.rng)
+
+    return monitor, [middleware]
 
 
 async def _poll_loads(gw: Gateway) -> None:

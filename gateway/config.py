@@ -28,6 +28,12 @@ class GatewayConfig:
     # request's deadline. Set it near the unloaded TTFT to keep accepted requests prompt.
     queue_max_wait_s: float | None = None
     queue_reserve_fraction: float = 0.125  # slots kept for tenants under their fair share
+    # The door (gateway/door.py): while the event loop lags more than this, a tenant over
+    # its share of the requests admitted in the last door_window_s is refused at once (429
+    # gateway_busy). None: no door.
+    door_lag_threshold_s: float | None = 0.01
+    door_window_s: float = 1.0
+    door_min_rate_per_s: float = 100.0  # below this admission rate the door refuses nobody
     queue_max_tokens: int = 262144
     queue_quantum_tokens: int = 256  # DRR credit per tenant visit (gateway/admission.py)
     retry_after_s: float = 1.0

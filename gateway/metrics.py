@@ -13,7 +13,7 @@ scrape-time collectors (queue depth) anyway.
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -174,6 +174,19 @@ class GatewayMetrics:
             P + "redis_errors",
             "Redis calls on the request path that failed, by operation.",
             ["op"],
+            registry=registry,
+        )
+        self.door_refusals = Counter(
+            P + "door_refusals",
+            "Requests refused at the door (429 gateway_busy): the gateway's event loop was "
+            "saturated and the tenant over its share of it (gateway/door.py).",
+            ["tenant"],
+            registry=registry,
+        )
+        self.loop_lag = Gauge(
+            P + "event_loop_lag_seconds",
+            "How late a 20 ms timer fires on this process's event loop (smoothed): over "
+            "door_lag_threshold_s the gateway counts as saturated.",
             registry=registry,
         )
 
