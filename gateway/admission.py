@@ -55,6 +55,10 @@ class QueueConfig:
     # while more than this many are free, so a light tenant's request finds one at once
     # instead of waiting for a flooding tenant's to end. Unused with one active tenant.
     reserve_fraction: float = 0.125
+    # A tenant counts as active (for the reserve) while it has requests queued or in
+    # flight, and for this long after its last arrival: a light tenant between two of its
+    # requests keeps its reserve instead of finding every slot taken by a flood.
+    active_window_s: float = 2.0
     # Longest a request may wait for its turn; past it, it leaves the queue refused (503,
     # Retry-After) so that what is accepted starts promptly under overload. None: only the
     # request's own deadline bounds its wait.
@@ -80,6 +84,7 @@ class _Tenant:
     tickets: deque[Ticket]
     weight: float
     deficit: float = 0.0  # tokens this tenant may still send before its turn passes
+    tokens: int = 0  # cost tokens of its waiting tickets
 
 
 class FairQueue:
@@ -125,10 +130,15 @@ class FairQueue:
             return math.inf
         return self._num_tokens / drain_tokens_per_s
 
-    def push(self, ticket: Ticket) -> None:
-        """Queue `ticket` at the tail of its tenant's line.
+    def push(self, ticket: Ticket) -> list[Ticket]:
+        """Queue `ticket` at the tail of its tenant's line; the tickets pushed out to make
+        room for it (refuse them: QueueFull).
 
-        Raises QueueFull when it would pass either bound. A ticket larger than
+        A full queue is shared fairly: to make room it pushes out the newest tickets of the
+        tenant that holds the most of it, if that is another tenant holding more than the
+        newcomer's would hold with it; else it raises QueueFull (the newcomer's tenant has
+        its share, or more). So a flooding tenant cannot fill the queue against a light
+        one. A ticket larger than
         `max_tokens` alone is admitted into an empty queue, so no request is refused
         forever. Raises ValueError on a duplicate request id or a bad cost or weight.
         """
@@ -138,18 +148,57 @@ class FairQueue:
             raise ValueError(
                 f"need cost_tokens >= 0 and weight > 0, got {ticket.cost_tokens}, {ticket.weight}"
             )
-        if len(self._by_id) >= self.config.max_requests:
-            raise self._full("requests")
-        if self._by_id and self._num_tokens + ticket.cost_tokens > self.config.max_tokens:
-            raise self._full("tokens")
+        evicted = self._make_room(ticket)
         tenant = self._tenants.get(ticket.tenant_id)
         if tenant is None:
             tenant = self._tenants[ticket.tenant_id] = _Tenant(deque(), ticket.weight)
             self._ring.append(ticket.tenant_id)
         tenant.weight = ticket.weight
         tenant.tickets.append(ticket)
+        tenant.tokens += ticket.cost_tokens
         self._by_id[ticket.request_id] = ticket
         self._num_tokens += ticket.cost_tokens
+        return evicted
+
+    def _over(self, ticket: Ticket) -> str | None:
+        """Which bound `ticket` would pass now, if any."""
+        if len(self._by_id) >= self.config.max_requests:
+            return "requests"
+        if self._by_id and self._num_tokens + ticket.cost_tokens > self.config.max_tokens:
+            return "tokens"
+        return None
+
+    def _make_room(self, ticket: Ticket) -> list[Ticket]:
+        reason = self._over(ticket)
+        if reason is None:
+            return []
+        # Plan first (nothing changes unless room can be made), newest tickets of whoever
+        # holds the most queued tokens, while that is more than the newcomer's would hold.
+        own = self._tenants.get(ticket.tenant_id)
+        own_tokens = ticket.cost_tokens + (own.tokens if own is not None else 0)
+        held = {t: v.tokens for t, v in self._tenants.items() if t != ticket.tenant_id}
+        taken = {t: 0 for t in held}
+        num, tokens = len(self._by_id), self._num_tokens
+        plan: list[Ticket] = []
+        while num >= self.config.max_requests or (
+            num and tokens + ticket.cost_tokens > self.config.max_tokens
+        ):
+            victim = max(held, key=held.__getitem__, default=None)
+            if victim is None or held[victim] <= own_tokens:
+                raise self._full(reason)
+            lane = self._tenants[victim].tickets
+            taken[victim] += 1
+            newest = lane[-taken[victim]]
+            plan.append(newest)
+            held[victim] -= newest.cost_tokens
+            num, tokens = num - 1, tokens - newest.cost_tokens
+        for victim in plan:
+            lane = self._tenants[victim.tenant_id].tickets
+            lane.pop()
+            self._forget(victim)
+            if not lane:
+                self._retire(victim.tenant_id)
+        return plan
 
     def tenants(self) -> Iterable[str]:
         """Tenants with tickets waiting."""
@@ -213,6 +262,10 @@ class FairQueue:
             self._retire(ticket.tenant_id)
         return True
 
+    def full_error(self, reason: str) -> QueueFull:
+        """A refusal for a full queue, with a jittered Retry-After."""
+        return self._full(reason)
+
     def _full(self, reason: str) -> QueueFull:
         jitter_s = self._rng.uniform(0.0, self.config.retry_after_jitter_s)
         return QueueFull(reason, self.config.retry_after_s + jitter_s)
@@ -220,6 +273,9 @@ class FairQueue:
     def _forget(self, ticket: Ticket) -> Ticket:
         del self._by_id[ticket.request_id]
         self._num_tokens -= ticket.cost_tokens
+        tenant = self._tenants.get(ticket.tenant_id)
+        if tenant is not None:
+            tenant.tokens -= ticket.cost_tokens
         return ticket
 
     def _retire(self, tenant_id: str) -> None:
@@ -285,6 +341,7 @@ class AdmissionController:
         self._num_unclaimed = 0  # dispatched tickets whose task has not resumed yet
         self._num_dispatched = 0  # dispatched and not yet released
         self._by_tenant: dict[str, int] = {}  # dispatched and not yet released, per tenant
+        self._last_seen: dict[str, float] = {}  # tenant -> its last arrival (queue clock)
 
     @property
     def num_waiting(self) -> int:
@@ -313,6 +370,7 @@ class AdmissionController:
         now = self._clock()
         if ticket.deadline <= now:
             raise DeadlineExceeded(ticket.request_id, ticket.deadline, 0.0, "start")
+        self._last_seen[ticket.tenant_id] = now
         if (
             len(self._queue) == 0
             and self._num_unclaimed == 0
@@ -321,7 +379,8 @@ class AdmissionController:
         ):
             self._taken(ticket.tenant_id)
             return None
-        self._queue.push(ticket)
+        for pushed_out in self._queue.push(ticket):
+            self._fail(pushed_out, self._queue.full_error("requests"))
         loop = asyncio.get_running_loop()
         timer = None
         expires_at = ticket.deadline
@@ -378,6 +437,12 @@ class AdmissionController:
         active = set(self._by_tenant)
         active.update(self._queue.tenants())
         active.add(tenant_id)
+        horizon = self._clock() - self._queue.config.active_window_s
+        for other, seen in list(self._last_seen.items()):
+            if seen >= horizon:
+                active.add(other)
+            elif other not in active:
+                del self._last_seen[other]
         if len(active) <= 1:
             return True
         return self._by_tenant.get(tenant_id, 0) < total / len(active)
@@ -413,17 +478,18 @@ class AdmissionController:
         self._queue.remove(request_id)
         self._fail(waiter.ticket)
 
-    def _fail(self, ticket: Ticket) -> None:
+    def _fail(self, ticket: Ticket, error: Exception | None = None) -> None:
+        """End a waiting ticket's wait with `error` (default: its deadline passed)."""
         waiter = self._waiters.pop(ticket.request_id, None)
         if waiter is None:
             return
         if waiter.timer is not None:
             waiter.timer.cancel()
         if not waiter.future.done():
-            waited_s = self._clock() - ticket.enqueued_at
-            waiter.future.set_exception(
-                DeadlineExceeded(ticket.request_id, ticket.deadline, waited_s)
-            )
+            if error is None:
+                waited_s = self._clock() - ticket.enqueued_at
+                error = DeadlineExceeded(ticket.request_id, ticket.deadline, waited_s)
+            waiter.future.set_exception(error)
 
     def abandon(self, ticket: Ticket, future: "asyncio.Future[None]") -> None:
         """The ticket's caller gave up before (or while) waiting: leave the queue, or pass

@@ -60,14 +60,26 @@ def test_push_past_max_requests_raises_queue_full_with_jittered_retry_after() ->
     for i in range(3):
         queue.push(make_ticket(f"a{i}"))
     retry_after_s = []
-    for i in range(20):
+    for i in range(20):  # the same tenant: it holds the whole queue already
         with pytest.raises(QueueFull) as refused:
-            queue.push(make_ticket(f"b{i}", cost_tokens=1))
+            queue.push(make_ticket(f"a{i + 3}", cost_tokens=1))
         assert refused.value.reason == "requests"
         retry_after_s.append(refused.value.retry_after_s)
     assert all(1.0 <= s <= 2.0 for s in retry_after_s)
     assert len(set(retry_after_s)) == 20  # refused clients do not return as one wave
     assert len(queue) == 3
+
+
+def test_a_full_queue_pushes_out_the_newest_of_the_tenant_holding_the_most() -> None:
+    queue = make_queue(max_requests=4)
+    for i in range(4):
+        queue.push(make_ticket(f"a{i}", cost_tokens=100))
+    assert [t.request_id for t in queue.push(make_ticket("b0", cost_tokens=100))] == ["a3"]
+    assert [t.request_id for t in queue.push(make_ticket("b1", cost_tokens=100))] == ["a2"]
+    with pytest.raises(QueueFull):  # 2 and 2: b would hold more than a, so b is refused
+        queue.push(make_ticket("b2", cost_tokens=100))
+    assert len(queue) == 4 and queue.waiting_tokens == 400
+    assert pop_all(queue) == ["a0", "a1", "b0", "b1"]
 
 
 def test_push_past_max_tokens_raises_queue_full_but_smaller_tickets_fit() -> None:
@@ -593,5 +605,24 @@ def test_a_request_that_waits_past_the_queues_max_wait_is_refused_from_the_queue
         assert err.value.stage == "queue"
         assert 0.04 <= time.monotonic() - t0 < 1.0
         assert ctl.num_waiting == 0
+
+    run(main())
+
+
+def test_a_ticket_pushed_out_of_the_queue_is_refused_with_retry_after() -> None:
+    async def main() -> None:
+        ctl, pool = make_controller(capacity=1, max_requests=2)
+        assert ctl.enqueue(make_ticket("a0")) is None
+        pool.take()
+        flood = [asyncio.ensure_future(ctl.acquire(make_ticket(f"a{i}"))) for i in (1, 2)]
+        await asyncio.sleep(0)
+        light = asyncio.ensure_future(ctl.acquire(make_ticket("b1")))
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFull) as refused:
+            await flood[1]  # the flood's newest made room for the light tenant
+        assert refused.value.retry_after_s >= 1.0
+        assert not flood[0].done() and not light.done() and ctl.num_waiting == 2
+        for f in (flood[0], light):
+            f.cancel()
 
     run(main())
