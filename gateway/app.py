@@ -145,7 +145,14 @@ def _door(gw: Gateway) -> tuple[LoopMonitor | None, list]:
             metrics.door_refusals.labels(metrics.tenant(tenant_id)).inc()
 
     def middleware(app):  # noqa: ANN001, ANN202 (ASGI)
-        return door_middleware(app, door, tenant_of, on_refusal=refused, rng=gw.rng)
+        return door_middleware(
+            app,
+            door,
+            tenant_of,
+            on_refusal=refused,
+            rng=gw.rng,
+            refusal_delay_s=gw.config.door_refusal_delay_s,
+        )
 
     return monitor, [middleware]
 

@@ -34,6 +34,7 @@ class GatewayConfig:
     door_lag_threshold_s: float | None = 0.01
     door_window_s: float = 1.0
     door_min_rate_per_s: float = 100.0  # below this admission rate the door refuses nobody
+    door_refusal_delay_s: float = 0.25  # a door refusal is held this long (a tarpit)
     queue_max_tokens: int = 262144
     queue_quantum_tokens: int = 256  # DRR credit per tenant visit (gateway/admission.py)
     retry_after_s: float = 1.0

@@ -164,9 +164,13 @@ def door_middleware(
     on_refusal: Callable[[str], None] | None = None,
     rng: random.Random | None = None,
     retry_after_s: float = 1.0,
+    refusal_delay_s: float = 0.0,
 ) -> ASGIApp:
     """`app` behind the door. `tenant_of_digest`: the tenant of a key's blake2b-16 digest,
-    if the key is known (see `gateway.intake`); `on_refusal(tenant)`: counts refusals."""
+    if the key is known (see `gateway.intake`); `on_refusal(tenant)`: counts refusals.
+    `refusal_delay_s`: how long a refusal is held before it is sent. A client that retries
+    at once, ignoring Retry-After, would otherwise keep the loop busy with refusals alone;
+    held, each of its connections costs one timer per `refusal_delay_s`."""
     rng = rng or random.Random()
 
     async def guarded(scope: Scope, receive: Callable, send: Callable) -> None:
@@ -184,6 +188,8 @@ def door_middleware(
             return await app(scope, receive, send)
         if on_refusal is not None:
             on_refusal(tenant)
+        if refusal_delay_s > 0:
+            await asyncio.sleep(refusal_delay_s)
         start, body = _refusal(rng, retry_after_s)
         await send(start)
         await send({"type": "http.response.body", "body": body})

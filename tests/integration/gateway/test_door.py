@@ -2,6 +2,8 @@
 the tenant over its share with a 429 before any per-request work (nothing reserved, nothing
 charged), lets the light tenant through, and counts the refusal."""
 
+import time
+
 from tests.integration.gateway.conftest import gateway_stack
 
 BODY = {"model": "small", "prompt": [5, 6, 7, 8], "max_tokens": 2}
@@ -14,6 +16,7 @@ def test_a_saturated_gateway_refuses_the_tenant_over_its_share_and_serves_the_ot
         door_lag_threshold_s=-1.0,  # always saturated
         door_min_rate_per_s=0.0,
         door_window_s=600.0,
+        door_refusal_delay_s=0.3,
     ) as s:
         heavy, light = s.tenant("heavy"), s.tenant("light")
         with s.client(heavy) as h, s.client(light) as lt:
@@ -23,8 +26,10 @@ def test_a_saturated_gateway_refuses_the_tenant_over_its_share_and_serves_the_ot
             for _ in range(2):  # 1 counted: two tenants are active
                 assert lt.post("/v1/completions", json=BODY).status_code == 200
             charged = s.usage(heavy)["tokens_today"]
+            t0 = time.monotonic()
             r = h.post("/v1/completions", json=BODY)  # 5 of 6 admitted: over a share of 3
             assert r.status_code == 429, r.text
+            assert time.monotonic() - t0 >= 0.3  # held: a client retrying at once is slowed
             assert r.json()["error"]["code"] == "gateway_busy"
             assert int(r.headers["retry-after"]) >= 1
             assert s.usage(heavy)["tokens_today"] == charged  # refused before the quota
