@@ -250,7 +250,9 @@ def overload_fairness_markdown(d: dict[str, Any]) -> list[str]:
     f = d["fairness"]
     fr = f["light_with_heavy"]["ttft_p99_ms"] / f["light_solo"]["ttft_p99_ms"]
     parts += [
-        "\n## Fairness: one tenant at 10x the other's rate, the gateway saturated\n",
+        "\n## Fairness: one tenant at 10x the other's rate, the workers saturated\n",
+        "Capacity 32 streams in flight x 5/s = 160 req/s; offered 16 (light) + 160 (heavy). "
+        "`client cores`: the load generator's own CPU (near 1: it measured itself).\n",
         markdown_table(
             [{"who": k, **v} for k, v in f.items()],
             [
@@ -259,6 +261,7 @@ def overload_fairness_markdown(d: dict[str, Any]) -> list[str]:
                 ("refused", "refused"),
                 ("ttft_p50_ms", "TTFT p50 ms"),
                 ("ttft_p99_ms", "TTFT p99 ms"),
+                ("client_cores", "client cores"),
             ],
         ),
         f"\nLight tenant p99 TTFT with the heavy one {fr:.2f}x its solo value (target <= 1.5x).",
