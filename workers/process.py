@@ -96,6 +96,12 @@ def serve_worker(
             # polls /load several times a second.
             log_config=None,
             access_log=False,
+            # asyncio and h11, not uvloop and httptools (which uvicorn picks where they are
+            # installed, as they are for the gateway): beside the engine thread, uvloop cut
+            # the worker's streaming throughput to 63% of in-process against 91% on asyncio
+            # (`switchyard bench worker`, one run each on this machine).
+            loop="asyncio",
+            http="h11",
         )
     )
 
