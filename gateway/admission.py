@@ -434,6 +434,15 @@ class AdmissionController:
         reserve = math.ceil(total * self._queue.config.reserve_fraction)
         if free > reserve:
             return True
+        return self._under_share(tenant_id, total)
+
+    def _under_share(self, tenant_id: str, total: int | None = None) -> bool:
+        """Whether the tenant holds fewer slots than its fair share (slots over active
+        tenants); True when it is the only active tenant."""
+        if self._slots is None:
+            return False
+        if total is None:
+            total = self._slots()[1]
         active = set(self._by_tenant)
         active.update(self._queue.tenants())
         active.add(tenant_id)
@@ -453,7 +462,14 @@ class AdmissionController:
 
     def _dispatch(self) -> None:
         while self._num_unclaimed == 0 and len(self._queue) > 0 and self._has_room():
-            ticket, dropped = self._queue.pop(self._may_take)
+            # Tenants under their fair share first (a light tenant does not wait out a
+            # flood's turns), then fair order among those allowed a slot now.
+            ticket, dropped = None, []
+            if self._slots is not None and len(self._queue.tenants()) > 1:
+                ticket, dropped = self._queue.pop(self._under_share)
+            if ticket is None:
+                ticket, more = self._queue.pop(self._may_take)
+                dropped += more
             for expired in dropped:
                 self._fail(expired)
             if ticket is None:
