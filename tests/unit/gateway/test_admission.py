@@ -626,3 +626,28 @@ def test_a_ticket_pushed_out_of_the_queue_is_refused_with_retry_after() -> None:
             f.cancel()
 
     run(main())
+
+
+def test_the_next_free_slot_goes_to_a_tenant_under_its_share_before_a_floods_turn() -> None:
+    async def main() -> None:
+        # No reserve, a quantum that gives the flood long turns: only the priority of
+        # tenants under their share can put the light request first.
+        ctl, pool = make_reserving_controller(4, reserve_fraction=0.0, quantum_tokens=10_000)
+        order: list[str] = []
+        hold = asyncio.Event()
+
+        def request(request_id: str) -> asyncio.Task:
+            ticket = make_ticket(request_id, cost_tokens=10)
+            return asyncio.create_task(serve(ctl, pool, ticket, order, hold))
+
+        tasks = [request(f"a{i}") for i in range(10)]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert order == ["a0", "a1", "a2", "a3"] and ctl.num_waiting == 6
+        tasks.append(request("b0"))
+        await asyncio.sleep(0)
+        hold.set()
+        await asyncio.gather(*tasks)
+        assert order.index("b0") == 4  # the first slot that freed
+
+    run(main())
