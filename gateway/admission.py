@@ -428,33 +428,34 @@ class AdmissionController:
     def _may_take(self, tenant_id: str) -> bool:
         """Whether a request of `tenant_id` may take a slot now: always while more than the
         reserve is free or it is the only active tenant, else only under its fair share."""
+        return self._shares()[1](tenant_id)
+
+    def _shares(self) -> tuple[Callable[[str], bool], Callable[[str], bool]]:
+        """(under its fair share, may take a slot now) for any tenant, from one snapshot of
+        the slots and the active tenants, so that a dispatch visiting every tenant in the
+        queue costs one pass over them, not one per visit."""
         if self._slots is None:
-            return True
+            return (lambda _: False), (lambda _: True)
         free, total = self._slots()
         reserve = math.ceil(total * self._queue.config.reserve_fraction)
-        if free > reserve:
-            return True
-        return self._under_share(tenant_id, total)
-
-    def _under_share(self, tenant_id: str, total: int | None = None) -> bool:
-        """Whether the tenant holds fewer slots than its fair share (slots over active
-        tenants); True when it is the only active tenant."""
-        if self._slots is None:
-            return False
-        if total is None:
-            total = self._slots()[1]
         active = set(self._by_tenant)
         active.update(self._queue.tenants())
-        active.add(tenant_id)
         horizon = self._clock() - self._queue.config.active_window_s
         for other, seen in list(self._last_seen.items()):
             if seen >= horizon:
                 active.add(other)
             elif other not in active:
                 del self._last_seen[other]
-        if len(active) <= 1:
-            return True
-        return self._by_tenant.get(tenant_id, 0) < total / len(active)
+        held = self._by_tenant
+
+        def under(tenant_id: str) -> bool:
+            num_active = len(active) + (tenant_id not in active)
+            return num_active <= 1 or held.get(tenant_id, 0) < total / num_active
+
+        def may_take(tenant_id: str) -> bool:
+            return free > reserve or under(tenant_id)
+
+        return under, may_take
 
     def kick(self) -> None:
         """Capacity may have changed (worker loads refreshed): dispatch what fits."""
@@ -465,10 +466,11 @@ class AdmissionController:
             # Tenants under their fair share first (a light tenant does not wait out a
             # flood's turns), then fair order among those allowed a slot now.
             ticket, dropped = None, []
+            under, may_take = self._shares()
             if self._slots is not None and len(self._queue.tenants()) > 1:
-                ticket, dropped = self._queue.pop(self._under_share)
+                ticket, dropped = self._queue.pop(under)
             if ticket is None:
-                ticket, more = self._queue.pop(self._may_take)
+                ticket, more = self._queue.pop(may_take)
                 dropped += more
             for expired in dropped:
                 self._fail(expired)
