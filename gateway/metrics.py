@@ -4,10 +4,11 @@ Label cardinality is bounded: `tenant` is a tenant id only for tenants on the al
 first come, up to `tenant_cap` others; every other tenant is `other`. No metric carries a key,
 a key id or any prompt text. Pools, routes and statuses are closed sets of the config.
 
-Several gateway replicas: each process serves its own `/metrics` and Prometheus sums the
-targets (`sum without (instance)`); the gateway is one process per replica (no forked
-workers), so prometheus-client's multiprocess mode is not needed, and it would not carry the
-scrape-time collectors (queue depth) anyway.
+Several gateway replicas: each serves its own `/metrics` and Prometheus sums the targets
+(`sum without (instance)`). A replica of several processes on one port (`--workers N`)
+answers a scrape for all of its processes, each sample labelled `process`
+(`gateway/process_metrics.py`), not through prometheus-client's multiprocess mode, which
+would not carry the scrape-time collectors (queue depth).
 """
 
 from collections.abc import Callable, Collection, Iterator
