@@ -433,11 +433,31 @@ class AdmissionController:
     def _shares(self) -> tuple[Callable[[str], bool], Callable[[str], bool]]:
         """(under its fair share, may take a slot now) for any tenant, from one snapshot of
         the slots and the active tenants, so that a dispatch visiting every tenant in the
-        queue costs one pass over them, not one per visit."""
+        queue costs one pass over them, not one per visit. The active tenants are counted
+        only when a share is asked for: with more than the reserve free (the usual case
+        on a request's path) nobody needs them."""
         if self._slots is None:
             return (lambda _: False), (lambda _: True)
         free, total = self._slots()
         reserve = math.ceil(total * self._queue.config.reserve_fraction)
+        held = self._by_tenant
+        active: set[str] | None = None
+
+        def under(tenant_id: str) -> bool:
+            nonlocal active
+            if active is None:
+                active = self._active_tenants()
+            num_active = len(active) + (tenant_id not in active)
+            return num_active <= 1 or held.get(tenant_id, 0) < total / num_active
+
+        def may_take(tenant_id: str) -> bool:
+            return free > reserve or under(tenant_id)
+
+        return under, may_take
+
+    def _active_tenants(self) -> set[str]:
+        """Tenants with requests in flight or queued, or arrived within active_window_s
+        (older arrivals are forgotten here)."""
         active = set(self._by_tenant)
         active.update(self._queue.tenants())
         horizon = self._clock() - self._queue.config.active_window_s
@@ -446,16 +466,7 @@ class AdmissionController:
                 active.add(other)
             elif other not in active:
                 del self._last_seen[other]
-        held = self._by_tenant
-
-        def under(tenant_id: str) -> bool:
-            num_active = len(active) + (tenant_id not in active)
-            return num_active <= 1 or held.get(tenant_id, 0) < total / num_active
-
-        def may_take(tenant_id: str) -> bool:
-            return free > reserve or under(tenant_id)
-
-        return under, may_take
+        return active
 
     def kick(self) -> None:
         """Capacity may have changed (worker loads refreshed): dispatch what fits."""
