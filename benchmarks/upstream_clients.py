@@ -52,7 +52,7 @@ async def _drive(send, n: int) -> tuple[float, float]:
     return time.process_time() - c0, time.perf_counter() - t0
 
 
-async def _httpx(url: str, body: bytes, stream: bool, n: int) -> tuple[float, float]:
+async def _httpx(url: str, body: bytes, n: int) -> tuple[float, float]:
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=2.0), limits=limits) as c:
         headers = {"content-type": "application/json"}
@@ -70,7 +70,7 @@ async def _httpx(url: str, body: bytes, stream: bool, n: int) -> tuple[float, fl
         return await _drive(send, n)
 
 
-async def _aiohttp(url: str, body: bytes, stream: bool, n: int) -> tuple[float, float]:
+async def _aiohttp(url: str, body: bytes, n: int) -> tuple[float, float]:
     connector = aiohttp.TCPConnector(limit=1024, limit_per_host=0, ttl_dns_cache=None)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=2.0)
     async with aiohttp.ClientSession(
@@ -106,7 +106,7 @@ def run_upstream_bench(opts: UpstreamBenchOptions) -> dict:
             todo = [(c, m) for c in CLIENTS for m in ("plain", "stream")]
             for client, mode in tqdm(todo, desc="bench upstream", unit="case"):
                 body = json.dumps(STREAM_BODY if mode == "stream" else BODY).encode()
-                cpu_s, wall_s = asyncio.run(CLIENTS[client](url, body, mode == "stream", n))
+                cpu_s, wall_s = asyncio.run(CLIENTS[client](url, body, n))
                 rows.append(
                     {
                         "client": client,
