@@ -2,7 +2,6 @@
 a peer gateway started from a `--peer-cmd` template (here the fake backend itself)."""
 
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -12,6 +11,7 @@ from benchmarks.gateway_load import WRK_BODIES
 from benchmarks.gateway_paths import PeerOptions, peer_path
 from benchmarks.wrk import cpu_seconds, run_wrk, wrk_path
 from tests.support.servers import backend_proc
+from tests.support.waiting import eventually
 
 
 @pytest.mark.skipif(wrk_path() is None, reason="wrk is not installed (apt-get install wrk)")
@@ -47,10 +47,14 @@ def test_peer_cmd_is_started_with_its_placeholders_measured_and_stopped(tmp_path
             assert path.headers == {"authorization": "Bearer sk-switchyard-bench"}
             (pid,) = path.pids
             assert "benchmarks.fake_backend" in " ".join(psutil.Process(pid).cmdline())
-        deadline = time.monotonic() + 5
-        while psutil.pid_exists(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+        assert eventually(lambda: _gone(pid), timeout_s=5)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def test_a_peer_cmd_that_exits_fails_with_its_output(tmp_path: Path) -> None:

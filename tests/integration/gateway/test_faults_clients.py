@@ -21,6 +21,7 @@ from tests.integration.gateway.faults_support import (
     wait_until,
 )
 from tests.support.servers import serving
+from tests.support.waiting import closed_after
 
 # -- 7. Slow clients ------------------------------------------------------------------------
 
@@ -53,23 +54,12 @@ def _connect(url: str) -> socket.socket:
     return sock
 
 
-def _closed_after(sock: socket.socket, t0: float, limit_s: float) -> float:
-    """Seconds from `t0` until the peer closes `sock` (reading and discarding)."""
-    sock.settimeout(limit_s)
-    try:
-        while sock.recv(4096):
-            pass
-    except ConnectionResetError:
-        pass
-    return time.monotonic() - t0
-
-
 @pytest.mark.timeout(30)
 def test_partial_request_head_is_closed_after_header_timeout(bounded):
     with _connect(bounded.url) as sock:
         t0 = time.monotonic()
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-        took = _closed_after(sock, t0, HEADER_S + 5)
+        took = closed_after(sock, t0, HEADER_S + 5)
     assert HEADER_S * 0.9 < took < HEADER_S + 1.5, took
 
 
@@ -145,7 +135,7 @@ def test_idle_keep_alive_connection_is_closed_after_keep_alive_timeout(bounded):
             raw += chunk
         t0 = time.monotonic()
         assert raw.startswith(b"HTTP/1.1 200")
-        took = _closed_after(sock, t0, HEADER_S + 5)
+        took = closed_after(sock, t0, HEADER_S + 5)
     # Closed by the keep-alive timer, before the (longer) head timer would have.
     assert KEEP_ALIVE_S * 0.8 < took < HEADER_S * 0.95, took
 

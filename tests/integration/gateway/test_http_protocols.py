@@ -15,7 +15,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.http_server import reuse_port_socket, server_config
-from tests.support.waiting import eventually
+from tests.support.waiting import closed_after, eventually
 
 HEADER_S = 1.0
 
@@ -54,17 +54,6 @@ def _served(prefer_httptools: bool) -> Iterator[tuple[uvicorn.Server, int]]:
         thread.join(5)
 
 
-def _closed_within(sock: socket.socket, limit_s: float) -> float:
-    t0 = time.monotonic()
-    sock.settimeout(limit_s)
-    try:
-        while sock.recv(4096):
-            pass
-    except ConnectionResetError:
-        pass
-    return time.monotonic() - t0
-
-
 def _get(sock: socket.socket) -> bytes:
     sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     raw = b""
@@ -88,7 +77,7 @@ def test_a_late_head_is_closed_after_each_response_and_connections_get_nodelay(h
             assert served.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
             assert _get(sock).startswith(b"HTTP/1.1 200")  # kept alive
             sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")  # a head that never ends
-            took = _closed_within(sock, HEADER_S + 5)
+            took = closed_after(sock, time.monotonic(), HEADER_S + 5)
         assert HEADER_S * 0.9 < took < HEADER_S + 1.5, took
 
 
