@@ -1,56 +1,23 @@
-"""Admission: the fair queue (bounds, DRR, deadlines) and its asyncio controller."""
+"""Admission: the fair queue (bounds, DRR, deadlines) and its asyncio controller.
+Fairness between tenants at the slots: test_admission_fairness.py."""
 
 import asyncio
 import math
 import random
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any
 
 import pytest
 
-from gateway.admission import (
-    AdmissionController,
-    DeadlineExceeded,
-    FairQueue,
-    QueueConfig,
-    QueueFull,
-    Ticket,
+from gateway.admission import DeadlineExceeded, FairQueue, QueueConfig, QueueFull
+from tests.unit.gateway.admission_support import (
+    FakeClock,
+    make_controller,
+    make_queue,
+    make_ticket,
+    pop_all,
+    run,
+    serve,
 )
-
-
-class FakeClock:
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_queue(clock: FakeClock | None = None, seed: int = 0, **config: float) -> FairQueue:
-    config.setdefault("quantum_tokens", 4096)  # these tests' tickets cost 1000 by default
-    return FairQueue(QueueConfig(**config), clock or FakeClock(), random.Random(seed))  # type: ignore[arg-type]
-
-
-def make_ticket(
-    request_id: str,
-    tenant_id: str | None = None,
-    cost_tokens: int = 1000,
-    deadline: float = math.inf,
-    weight: float = 1.0,
-) -> Ticket:
-    tenant = tenant_id if tenant_id is not None else request_id[0]
-    return Ticket(request_id, tenant, cost_tokens, 0.0, deadline, weight)
-
-
-def pop_all(queue: FairQueue) -> list[str]:
-    out = []
-    while True:
-        ticket, _ = queue.pop()
-        if ticket is None:
-            return out
-        out.append(ticket.request_id)
-
 
 # FairQueue: bounds
 
@@ -271,58 +238,6 @@ def test_estimated_wait_is_waiting_tokens_over_drain_rate() -> None:
 # AdmissionController
 
 
-class Pool:
-    """Capacity as a gateway sees it: requests in flight against a cap."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.inflight = 0
-        self.max_seen = 0
-
-    def has_room(self) -> bool:
-        return self.inflight < self.capacity
-
-    def take(self) -> None:
-        self.inflight += 1
-        self.max_seen = max(self.max_seen, self.inflight)
-
-    def give_back(self) -> None:
-        self.inflight -= 1
-
-
-def run(main: Coroutine[Any, Any, None]) -> None:
-    """asyncio.run with a guard, so a regression fails fast instead of hanging."""
-    asyncio.run(asyncio.wait_for(main, timeout=2.0))
-
-
-def make_controller(
-    capacity: int, clock: Callable[[], float] = time.monotonic, **config: float
-) -> tuple[AdmissionController, Pool]:
-    pool = Pool(capacity)
-    queue = FairQueue(QueueConfig(**config), clock, random.Random(0))  # type: ignore[arg-type]
-    return AdmissionController(queue, pool.has_room, clock), pool
-
-
-async def serve(
-    ctl: AdmissionController,
-    pool: Pool,
-    ticket: Ticket,
-    order: list[str],
-    hold: asyncio.Event | int = 2,
-) -> None:
-    """A gateway request: wait for admission, take capacity, hold it, give it back."""
-    await ctl.acquire(ticket)
-    pool.take()
-    order.append(ticket.request_id)
-    if isinstance(hold, asyncio.Event):
-        await hold.wait()
-    else:
-        for _ in range(hold):
-            await asyncio.sleep(0)
-    pool.give_back()
-    ctl.release(ticket.tenant_id)
-
-
 def test_acquire_dispatches_without_waiting_when_queue_empty_and_room() -> None:
     async def main() -> None:
         ctl, _ = make_controller(capacity=1)
@@ -503,151 +418,5 @@ def test_a_waiter_cancelled_after_dispatch_passes_its_turn_on() -> None:
         await second
         assert order == ["b1"]
         assert pool.max_seen == 1 and ctl.num_dispatched == 0
-
-    run(main())
-
-
-# -- fairness at the slots: a reserve for tenants under their share -------------------------
-
-
-def test_pop_passes_over_a_tenant_that_may_not_take_a_slot_and_keeps_its_place() -> None:
-    queue = make_queue(quantum_tokens=1000)
-    for request_id in ["a1", "a2", "b1", "b2"]:
-        queue.push(make_ticket(request_id))
-    ticket, _ = queue.pop(lambda tenant: tenant != "a")
-    assert ticket.request_id == "b1"
-    assert queue.pop(lambda tenant: False) == (None, [])
-    assert len(queue) == 3
-    assert pop_all(queue) == ["a1", "b2", "a2"]
-
-
-def make_reserving_controller(capacity: int, **config: float) -> tuple[AdmissionController, Pool]:
-    pool = Pool(capacity)
-    queue = FairQueue(QueueConfig(**config), time.monotonic, random.Random(0))  # type: ignore[arg-type]
-
-    def slots() -> tuple[int, int]:
-        return max(0, pool.capacity - pool.inflight), pool.capacity
-
-    return AdmissionController(queue, pool.has_room, time.monotonic, slots), pool
-
-
-def test_one_tenant_alone_may_use_every_slot() -> None:
-    async def main() -> None:
-        ctl, pool = make_reserving_controller(8, reserve_fraction=0.25)
-        for i in range(8):
-            assert ctl.enqueue(make_ticket(f"a{i}", cost_tokens=10)) is None
-            pool.take()
-        assert ctl.dispatched_of("a") == 8
-
-    run(main())
-
-
-def test_a_flooding_tenant_leaves_the_reserve_to_a_light_one_who_gets_a_slot_at_once() -> None:
-    async def main() -> None:
-        ctl, pool = make_reserving_controller(8, reserve_fraction=0.25)  # reserve: 2 slots
-        order: list[str] = []
-        hold = asyncio.Event()
-
-        def request(request_id: str) -> asyncio.Task:
-            ticket = make_ticket(request_id, cost_tokens=10)
-            return asyncio.create_task(serve(ctl, pool, ticket, order, hold))
-
-        tasks = [request("b0")]  # the light tenant is active
-        await asyncio.sleep(0)
-        tasks += [request(f"a{i}") for i in range(20)]
-        for _ in range(10):
-            await asyncio.sleep(0)
-        # The heavy one stops where only the reserve is left: 1 + 5 in flight, 2 free.
-        assert ctl.dispatched_of("a") == 5 and pool.inflight == 6
-        tasks.append(request("b1"))
-        for _ in range(3):
-            await asyncio.sleep(0)
-        assert order[-1] == "b1"  # a reserved slot at once, ahead of 15 waiting
-        hold.set()
-        await asyncio.gather(*tasks)
-        assert len(order) == 22
-
-    run(main())
-
-
-def test_over_its_share_a_tenant_still_gets_its_fair_share_of_slots() -> None:
-    """Two flooding tenants: neither is held back below total / 2 by the reserve."""
-
-    async def main() -> None:
-        ctl, pool = make_reserving_controller(8, reserve_fraction=0.25)
-        order: list[str] = []
-        hold = asyncio.Event()
-        tasks = [
-            asyncio.create_task(
-                serve(ctl, pool, make_ticket(f"{t}{i}", cost_tokens=10), order, hold)
-            )
-            for i in range(10)
-            for t in "ab"
-        ]
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert ctl.dispatched_of("a") == 4 and ctl.dispatched_of("b") == 4
-        hold.set()
-        await asyncio.gather(*tasks)
-        assert sorted(order) == sorted(f"{t}{i}" for i in range(10) for t in "ab")
-
-    run(main())
-
-
-def test_a_request_that_waits_past_the_queues_max_wait_is_refused_from_the_queue() -> None:
-    async def main() -> None:
-        ctl, pool = make_controller(capacity=1, max_wait_s=0.05)
-        assert ctl.enqueue(make_ticket("a1")) is None
-        pool.take()
-        t0 = time.monotonic()
-        with pytest.raises(DeadlineExceeded) as err:
-            await ctl.acquire(make_ticket("b1"))  # no deadline of its own
-        assert err.value.stage == "queue"
-        assert 0.04 <= time.monotonic() - t0 < 1.0
-        assert ctl.num_waiting == 0
-
-    run(main())
-
-
-def test_a_ticket_pushed_out_of_the_queue_is_refused_with_retry_after() -> None:
-    async def main() -> None:
-        ctl, pool = make_controller(capacity=1, max_requests=2)
-        assert ctl.enqueue(make_ticket("a0")) is None
-        pool.take()
-        flood = [asyncio.ensure_future(ctl.acquire(make_ticket(f"a{i}"))) for i in (1, 2)]
-        await asyncio.sleep(0)
-        light = asyncio.ensure_future(ctl.acquire(make_ticket("b1")))
-        await asyncio.sleep(0)
-        with pytest.raises(QueueFull) as refused:
-            await flood[1]  # the flood's newest made room for the light tenant
-        assert refused.value.retry_after_s >= 1.0
-        assert not flood[0].done() and not light.done() and ctl.num_waiting == 2
-        for f in (flood[0], light):
-            f.cancel()
-
-    run(main())
-
-
-def test_the_next_free_slot_goes_to_a_tenant_under_its_share_before_a_floods_turn() -> None:
-    async def main() -> None:
-        # No reserve, a quantum that gives the flood long turns: only the priority of
-        # tenants under their share can put the light request first.
-        ctl, pool = make_reserving_controller(4, reserve_fraction=0.0, quantum_tokens=10_000)
-        order: list[str] = []
-        hold = asyncio.Event()
-
-        def request(request_id: str) -> asyncio.Task:
-            ticket = make_ticket(request_id, cost_tokens=10)
-            return asyncio.create_task(serve(ctl, pool, ticket, order, hold))
-
-        tasks = [request(f"a{i}") for i in range(10)]
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert order == ["a0", "a1", "a2", "a3"] and ctl.num_waiting == 6
-        tasks.append(request("b0"))
-        await asyncio.sleep(0)
-        hold.set()
-        await asyncio.gather(*tasks)
-        assert order.index("b0") == 4  # the first slot that freed
 
     run(main())
