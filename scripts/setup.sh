@@ -9,6 +9,9 @@ command -v "$PY" >/dev/null || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -c constraints.txt -e '.[dev,convert]'
+# The engine's native CPU kernels, built once here rather than by the first worker (~30 s;
+# a machine without a C++ compiler runs torch's slower path and the log says so).
+.venv/bin/python -m workers.native || echo "warning: native kernels not built (see above)" >&2
 # System packages the tests drive: chromium (the /dashboard page's browser test, through
 # Playwright) and promtool (from `prometheus`: the alert rules' check). Nothing to do when
 # both are there; installing needs root and apt-get, else the two tests fail and say why.

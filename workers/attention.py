@@ -6,6 +6,7 @@ matmul. Grouped-query attention is computed by viewing the query heads of one KV
 as a group, never by repeating K/V.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,10 @@ class AttentionMetadata:
     workspace_positions: torch.Tensor | None = None  # [n] position of each new token
     workspace_slots: torch.Tensor | None = None  # [n] flat workspace slot of each new token
     workspace_mask: torch.Tensor | None = None  # [n, T] True = attend
+    # The native kernel (`workers.native.decode_attention`) that appends and attends in
+    # one pass, with each row's length after this step; None = torch (append + SDPA).
+    workspace_kernel: Callable[..., None] | None = None
+    workspace_lengths: torch.Tensor | None = None  # [n] int64
     # Decodes that gather their blocks from the paged cache.
     num_gather_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # [n, max_blocks] (padded with 0)
@@ -81,7 +86,14 @@ def paged_attention(
     group = num_heads // num_kv_heads
     out = q.new_empty(num_tokens, num_heads * head_dim)
     nw, ng = meta.num_workspace_decodes, meta.num_gather_decodes
-    if nw:
+    if nw and meta.workspace_kernel is not None:
+        ws = meta.workspace
+        assert ws is not None and meta.workspace_lengths is not None
+        rows = out[:nw].view(nw, num_heads, head_dim)
+        meta.workspace_kernel(
+            q[:nw], k[:nw], v[:nw], ws.k[layer], ws.v[layer], meta.workspace_lengths, scale, rows
+        )
+    elif nw:
         ws, mask = meta.workspace, meta.workspace_mask
         assert ws is not None and mask is not None and meta.workspace_slots is not None
         ws.append(layer, k[:nw], v[:nw], meta.workspace_slots)

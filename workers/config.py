@@ -35,6 +35,9 @@ class EngineConfig:
     # Cap on the workspace: rows = min(max_num_seqs, what fits here); decodes without a
     # row gather their blocks instead.
     decode_workspace_gib: float = 0.25
+    # Workspace decodes on the CPU attend through our C++ kernel (`workers.native`) when it
+    # builds here, in float32 and bfloat16; False (or SWITCHYARD_NATIVE_KERNELS=0) = torch.
+    native_kernels: bool = True
     threads: int | None = None  # torch intra-op threads; None = CPUs we may run on, at most 8
     scheduler: SchedulerConfig | None = None
     seed: int = 0  # for unseeded sampling

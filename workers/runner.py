@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from workers import native
 from workers.attention import AttentionMetadata, PrefillSeq
 from workers.config import EngineConfig
 from workers.decode_workspace import DecodeWorkspace
@@ -168,6 +169,11 @@ class ModelRunner:
                 self.dtype,
                 self.device,
             )
+        self.decode_kernel = None
+        native_dtype = self.dtype in (torch.float32, torch.bfloat16)
+        if self.workspace is not None and config.native_kernels and native_dtype:
+            if self.device.type == "cpu":
+                self.decode_kernel = native.decode_attention()
         log.info(
             "loaded %s (%s, %.1fM parameters, %s on %s, %d threads) in %.1fs; KV cache holds "
             "%d tokens (%d blocks of %d, %.2f GiB)",
@@ -185,10 +191,11 @@ class ModelRunner:
         )
         if self.workspace is not None:
             log.info(
-                "decode workspace: %d rows x %d tokens (%.2f GiB)",
+                "decode workspace: %d rows x %d tokens (%.2f GiB), attention in %s",
                 self.workspace.max_rows,
                 self.workspace.max_tokens,
                 self.workspace.nbytes() / 2**30,
+                "the native kernel" if self.decode_kernel is not None else "torch",
             )
 
     @torch.inference_mode()
@@ -289,8 +296,12 @@ class ModelRunner:
             meta.num_workspace_decodes = num_ws
             meta.workspace = self.workspace
             meta.workspace_positions = positions
-            meta.workspace_slots = self.workspace.slots(positions)
-            meta.workspace_mask = _length_mask(positions + 1, max(computed) + 1)
+            if self.decode_kernel is not None:
+                meta.workspace_kernel = self.decode_kernel
+                meta.workspace_lengths = positions + 1
+            else:
+                meta.workspace_slots = self.workspace.slots(positions)
+                meta.workspace_mask = _length_mask(positions + 1, max(computed) + 1)
         gather = [r for r, _ in batch[num_ws:num_decodes]]
         if gather:
             rows = [block_tables[r.request_id] for r in gather]

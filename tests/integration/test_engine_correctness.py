@@ -20,7 +20,13 @@ def make_prompts(n: int, seed: int, lo: int = 3, hi: int = 60) -> list[list[int]
 
 
 def make_engine(
-    path: Path, *, num_blocks: int = 256, budget: int = 512, workspace: int = 1024, **kw
+    path: Path,
+    *,
+    num_blocks: int = 256,
+    budget: int = 512,
+    workspace: int = 1024,
+    native: bool = True,
+    **kw,
 ) -> LLMEngine:
     sched = SchedulerConfig(max_num_batched_tokens=budget, **kw)
     cfg = EngineConfig(
@@ -28,8 +34,12 @@ def make_engine(
         block_size=4,
         scheduler=sched,
         decode_workspace_tokens=workspace,
+        native_kernels=native,
     )
-    return LLMEngine.from_pretrained(path, cfg)
+    engine = LLMEngine.from_pretrained(path, cfg)
+    # The workspace decodes attend in the native kernel unless asked not to, every run.
+    assert (engine.runner.decode_kernel is not None) == (native and workspace > 0)
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +47,11 @@ def references(checkpoints: dict[str, Path]):
     return {arch: load_reference(path) for arch, path in checkpoints.items()}
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-attention", "torch-attention"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_greedy_batch_of_mixed_lengths_matches_transformers(arch, checkpoints, references):
+def test_greedy_batch_of_mixed_lengths_matches_transformers(arch, native, checkpoints, references):
     prompts = make_prompts(6, seed=1)
-    engine = make_engine(checkpoints[arch])
+    engine = make_engine(checkpoints[arch], native=native)
     results = engine.generate(prompts, GREEDY)
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == reference_greedy(references[arch], prompt, GREEDY.max_tokens)

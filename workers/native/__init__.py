@@ -1,0 +1,86 @@
+"""Our own CPU kernels for the shapes of the engine's hot loop where torch is the slow path.
+
+Each kernel is C++ built on this machine with torch's extension builder (ninja and the
+system C++ compiler, `-O3 -march=native`) into torch's extension cache, the first time it
+is asked for; `python -m workers.native` builds them ahead (`scripts/setup.sh` does), so
+no worker pays the build (about 30 s) at start-up. The build is named after this CPU's
+instruction set, so a cache shared with another kind of CPU is never loaded there.
+
+A machine without a compiler, a failed build, `SWITCHYARD_NATIVE_KERNELS=0`, or a tensor
+not on the CPU gets the torch implementation instead; the log says which and why, once.
+"""
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent
+DISABLE_ENV = "SWITCHYARD_NATIVE_KERNELS"
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+# (q, k_new, v_new, k_workspace, v_workspace, lengths, scale, out) -> None
+DecodeAttention = Callable[..., None]
+
+
+def _cpu_tag() -> str:
+    """A short hash of this CPU's model and instruction-set flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+
+        text = platform.processor() + platform.machine()
+    lines = [ln for ln in text.splitlines() if ln.startswith(("flags", "model name"))][:2]
+    return hashlib.sha1("\n".join(lines).encode()).hexdigest()[:10]
+
+
+def _ensure_ninja() -> None:
+    """torch's builder runs `ninja` from PATH; the `ninja` wheel puts it beside Python."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def enabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "1").lower() not in ("0", "false", "no", "off")
+
+
+@functools.cache
+def _build(name: str):
+    """Build (or load from the cache) one extension; None, logged, when it cannot be built."""
+    from torch.utils.cpp_extension import load
+
+    _ensure_ninja()
+    t0 = time.perf_counter()
+    try:
+        module = load(
+            name=f"switchyard_{name}_{_cpu_tag()}",
+            sources=[str(SOURCE_DIR / f"{name}.cpp")],
+            extra_cflags=CFLAGS,
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a compile error: torch's path runs
+        log.warning("native kernel %s unavailable, using torch's: %s", name, exc)
+        return None
+    log.info("native kernel %s ready in %.1fs", name, time.perf_counter() - t0)
+    return module
+
+
+def decode_attention() -> DecodeAttention | None:
+    """The workspace decode-attention kernel (`decode_attention.cpp`), or None."""
+    if not enabled():
+        log.info("native kernels off (%s=0): decode attention runs in torch", DISABLE_ENV)
+        return None
+    module = _build("decode_attention")
+    return None if module is None else module.decode_attention

@@ -1,0 +1,148 @@
+// Decode attention over the decode workspace (workers/decode_workspace.py), for CPUs.
+//
+// One query token per sequence; sequence s owns row s of every layer's workspace
+// ([kv_heads, rows, max_tokens, head_dim], contiguous) and has lengths[s] valid tokens
+// once this step's key/value, written here at position lengths[s] - 1, is appended.
+// The query heads that share a KV head are scored together, so each key and value is
+// read from memory once per step: the step is bound by streaming the KV, which is what
+// the roofline assumes. torch's SDPA kernel tiles for long queries and moved the same
+// bytes 2-3x slower at decode shapes (docs/benchmarks/engine-roofline.md).
+//
+// Numerics: fp32 accumulation and softmax whatever the storage dtype (fp32 or bf16).
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float load(const float* p) { return *p; }
+
+inline float load(const at::BFloat16* p) {
+  uint32_t bits = static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(p)) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline void store(float* p, float x) { *p = x; }
+
+inline void store(at::BFloat16* p, float x) { *p = at::BFloat16(x); }
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+         const at::Tensor& k_ws, const at::Tensor& v_ws, const at::Tensor& lengths,
+         float scale, const at::Tensor& out) {
+  const int64_t S = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_ws.size(0), R = k_ws.size(1), Tmax = k_ws.size(2);
+  const int64_t G = Hq / Hkv;
+  const T* qp = q.data_ptr<T>();
+  const T* knp = k_new.data_ptr<T>();
+  const T* vnp = v_new.data_ptr<T>();
+  T* kp = k_ws.data_ptr<T>();
+  T* vp = v_ws.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1);
+  const int64_t k_s0 = k_new.stride(0), k_s1 = k_new.stride(1);
+  const int64_t v_s0 = v_new.stride(0), v_s1 = v_new.stride(1);
+  const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
+  const int64_t max_len = *std::max_element(lp, lp + S);
+  at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(G * max_len), qf(G * D), acc(G * D), inv(G);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / Hkv, h = task % Hkv, L = lp[s];
+      T* kr = kp + (h * R + s) * Tmax * D;
+      T* vr = vp + (h * R + s) * Tmax * D;
+      std::memcpy(kr + (L - 1) * D, knp + s * k_s0 + h * k_s1, D * sizeof(T));
+      std::memcpy(vr + (L - 1) * D, vnp + s * v_s0 + h * v_s1, D * sizeof(T));
+      for (int64_t g = 0; g < G; ++g) {
+        const T* qg = qp + s * q_s0 + (h * G + g) * q_s1;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load(qg + d) * scale;
+      }
+      for (int64_t t = 0; t < L; ++t) {
+        const T* kt = kr + t * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf.data() + g * D;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += qg[d] * load(kt + d);
+          scores[g * L + t] = dot;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * L;
+        float m = sg[0];
+        for (int64_t t = 1; t < L; ++t) m = std::max(m, sg[t]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < L; ++t) {
+          sg[t] = std::exp(sg[t] - m);
+          sum += sg[t];
+        }
+        inv[g] = 1.f / sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < L; ++t) {
+        const T* vt = vr + t * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * L + t];
+          float* ag = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ag[d] += p * load(vt + d);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        T* og = op + s * o_s0 + (h * G + g) * o_s1;
+        for (int64_t d = 0; d < D; ++d) store(og + d, acc[g * D + d] * inv[g]);
+      }
+    }
+  });
+}
+
+void check(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+           const at::Tensor& k_ws, const at::Tensor& v_ws, const at::Tensor& lengths,
+           const at::Tensor& out) {
+  for (const auto* t : {&q, &k_new, &v_new, &k_ws, &v_ws, &out}) {
+    TORCH_CHECK(t->device().is_cpu(), "decode_attention: CPU tensors only");
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "decode_attention: one dtype");
+    TORCH_CHECK(t->dim() >= 3 && t->stride(-1) == 1, "decode_attention: last dim contiguous");
+  }
+  TORCH_CHECK(k_ws.is_contiguous() && v_ws.is_contiguous(), "workspace must be contiguous");
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous(), "int64 lengths");
+  const int64_t S = q.size(0);
+  TORCH_CHECK(S > 0 && lengths.size(0) == S && out.size(0) == S, "one length per query");
+  TORCH_CHECK(S <= k_ws.size(1), "more queries than workspace rows");
+  TORCH_CHECK(q.size(1) % k_ws.size(0) == 0, "query heads not a multiple of KV heads");
+  TORCH_CHECK(q.size(2) == k_ws.size(3) && out.size(1) == q.size(1), "head shapes differ");
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s)
+    TORCH_CHECK(lp[s] >= 1 && lp[s] <= k_ws.size(2), "length outside the workspace row");
+}
+
+}  // namespace
+
+// Appends k_new/v_new ([seqs, kv_heads, dim]) at position lengths - 1 of rows 0..seqs-1
+// and writes the attention of q ([seqs, heads, dim]) into out ([seqs, heads, dim]).
+void decode_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                      const at::Tensor& k_ws, const at::Tensor& v_ws, const at::Tensor& lengths,
+                      double scale, const at::Tensor& out) {
+  check(q, k_new, v_new, k_ws, v_ws, lengths, out);
+  const float sc = static_cast<float>(scale);
+  if (q.scalar_type() == at::kFloat) {
+    run<float>(q, k_new, v_new, k_ws, v_ws, lengths, sc, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    run<at::BFloat16>(q, k_new, v_new, k_ws, v_ws, lengths, sc, out);
+  } else {
+    TORCH_CHECK(false, "decode_attention: float32 or bfloat16");
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "decode attention over the workspace");
+}
