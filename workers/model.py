@@ -86,15 +86,14 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        return self.apply(q, k, *self.lookup(positions))
-
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ([tokens, 1, dim]) of a step's positions: once per step, not layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos and sin ([tokens, dim]) of a step's positions: once per step, not layer."""
+        return self.cos[positions], self.sin[positions]
 
     @staticmethod
     def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [tokens, heads, dim] and k [tokens, kv_heads, dim] rotated by `lookup`'s."""
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -119,11 +118,72 @@ class ShardOps(Protocol):
         ...
 
 
+class FusedOps(Protocol):
+    """`workers.native.fused_ops()`: the per-layer small ops, one pass each."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm_(
+        self, h: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor: ...
+
+    def rope(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+
+class TorchOps:
+    """The per-layer small ops in torch (any device): the reference for `NativeOps`."""
+
+    def __init__(self, eps: float) -> None:
+        self.eps = eps
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, self.eps)
+
+    def add_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor):
+        """(h + delta, its RMSNorm): the residual stream and the next sublayer's input."""
+        h = h + delta
+        return h, rms_norm(h, weight, self.eps)
+
+    def rope(self, q, k, cos, sin):
+        return RotaryEmbedding.apply(q, k, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class NativeOps(TorchOps):
+    """The same ops, each one pass of our C++ (`workers/native/fused_ops.cpp`): a decode
+    step runs ~30 small torch ops per layer otherwise. Same roundings as torch; fp32 may
+    differ in the last bit of a sum (RMSNorm) or of exp (SiLU)."""
+
+    def __init__(self, fused: FusedOps, cfg: ModelConfig) -> None:
+        super().__init__(cfg.rms_norm_eps)
+        self.fused = fused
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.fused.rms_norm(x, weight, self.eps)
+
+    def add_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor):
+        return h, self.fused.add_rms_norm_(h, delta, weight, self.eps)  # h updated in place
+
+    def rope(self, q, k, cos, sin):
+        return self.fused.rope(q, k, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.fused.silu_mul(gate_up)
+
+
 class CausalLM:
     """Forward pass over a flat batch with a paged KV cache.
 
     With `tp` (a shard group), `cfg` is this rank's share (`workers.tp.plan.local_config`)
-    and `weights` its shard; None is one device, unchanged.
+    and `weights` its shard; None is one device, unchanged. `fused`: the native fused
+    per-layer ops (`workers.native.fused_ops`) on the CPU; None = torch's ops.
     """
 
     def __init__(
@@ -132,10 +192,12 @@ class CausalLM:
         weights: ModelWeights,
         max_positions: int,
         tp: ShardOps | None = None,
+        fused: FusedOps | None = None,
     ) -> None:
         self.cfg = cfg
         self.weights = weights
         self.tp = tp
+        self.ops = TorchOps(cfg.rms_norm_eps) if fused is None else NativeOps(fused, cfg)
         device, dtype = weights.embed.device, weights.embed.dtype
         self.rotary = RotaryEmbedding(cfg, max_positions, device, dtype)
         self.scale = cfg.head_dim**-0.5
@@ -152,13 +214,14 @@ class CausalLM:
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Logits ([len(logits_indices), vocab], fp32) of the rows that sample a token."""
-        cfg, w, tp = self.cfg, self.weights, self.tp
+        cfg, w, tp, ops = self.cfg, self.weights, self.tp, self.ops
         eps = cfg.rms_norm_eps
         n = input_ids.shape[0]
         h = F.embedding(input_ids, w.embed) if tp is None else tp.embed(input_ids, w.embed)
         cos, sin = self.rotary.lookup(positions)
+        x = ops.norm(h, w.layers[0].input_norm)
+        last = len(w.layers) - 1
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(w.layers, kv_caches, strict=True)):
-            x = rms_norm(h, layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(n, cfg.num_heads, cfg.head_dim)
@@ -167,15 +230,17 @@ class CausalLM:
             if layer.q_norm is not None:
                 q = rms_norm(q, layer.q_norm, eps)
                 k = rms_norm(k, layer.k_norm, eps)
-            q, k = self.rotary.apply(q, k, cos, sin)
+            q, k = ops.rope(q, k, cos, sin)
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             attn = paged_attention(q, k, v, i, k_cache, v_cache, meta, block_size, self.scale)
             o = F.linear(attn, layer.o)
-            h = h + (o if tp is None else tp.all_reduce(o))
-            x = rms_norm(h, layer.post_norm, eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            down = F.linear(F.silu(gate) * up, layer.down)
-            h = h + (down if tp is None else tp.all_reduce(down))
-        h = rms_norm(h[logits_indices], w.norm, eps)
+            h, x = ops.add_norm(h, o if tp is None else tp.all_reduce(o), layer.post_norm)
+            down = F.linear(ops.silu_mul(F.linear(x, layer.gate_up)), layer.down)
+            down = down if tp is None else tp.all_reduce(down)
+            if i < last:
+                h, x = ops.add_norm(h, down, w.layers[i + 1].input_norm)
+            else:
+                h = h + down
+        h = ops.norm(h[logits_indices], w.norm)
         logits = F.linear(h, w.lm_head).float()
         return logits if tp is None else tp.gather_logits(logits)

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what workers.native's kernels take
+
 
 @dataclass
 class TokenLogprobs:
@@ -123,7 +125,11 @@ class ModelRunner:
             weights = shard.load_weights(cfg, model_dir, self.dtype, self.device)
             cfg = shard.local_config(cfg)
         self.num_parameters = weights.num_parameters()
-        self.model = CausalLM(cfg, weights, self.max_model_len, shard)
+        fused = None
+        if config.native_kernels and self.device.type == "cpu" and self.dtype in NATIVE_DTYPES:
+            fused = native.fused_ops()
+        self.fused_ops = fused is not None
+        self.model = CausalLM(cfg, weights, self.max_model_len, shard, fused)
         self.block_size = config.block_size
         per_token = kv_bytes_per_token(cfg, self.dtype)
         if config.num_kv_blocks is not None:
@@ -170,8 +176,7 @@ class ModelRunner:
                 self.device,
             )
         self.decode_kernel = None
-        native_dtype = self.dtype in (torch.float32, torch.bfloat16)
-        if self.workspace is not None and config.native_kernels and native_dtype:
+        if self.workspace is not None and config.native_kernels and self.dtype in NATIVE_DTYPES:
             if self.device.type == "cpu":
                 self.decode_kernel = native.decode_attention()
         log.info(

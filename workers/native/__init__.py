@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
 DISABLE_ENV = "SWITCHYARD_NATIVE_KERNELS"
+# -ffast-math lets the loops vectorise (sums reassociated, exp from libmvec); the kernels
+# keep every rounding to the storage dtype that torch makes, so results differ from
+# torch's only in the last bits of fp32 arithmetic.
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 # (q, k_new, v_new, k_workspace, v_workspace, lengths, scale, out) -> None
@@ -75,6 +78,15 @@ def _build(name: str):
         return None
     log.info("native kernel %s ready in %.1fs", name, time.perf_counter() - t0)
     return module
+
+
+def fused_ops():
+    """The module of fused per-layer ops (`fused_ops.cpp`: rms_norm, add_rms_norm_, rope,
+    silu_mul), or None."""
+    if not enabled():
+        log.info("native kernels off (%s=0): per-layer ops run in torch", DISABLE_ENV)
+        return None
+    return _build("fused_ops")
 
 
 def decode_attention() -> DecodeAttention | None:

@@ -1,0 +1,90 @@
+"""The native fused per-layer ops against torch's (`workers.model.TorchOps`).
+
+bf16 must agree but for rare steps of an ulp or two (RMSNorm's fp32 sum is reassociated,
+SiLU's exp is libmvec's: one intermediate rounded the other way); fp32 to a few ulps. Built here, or the test fails (it does not skip)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from workers import native
+from workers.model import NativeOps, TorchOps
+
+EPS = 1e-6
+
+
+@pytest.fixture(scope="module")
+def ops():
+    fused = native.fused_ops()
+    assert fused is not None, "the native fused ops did not build (see the log)"
+    return NativeOps(fused, SimpleNamespace(rms_norm_eps=EPS)), TorchOps(EPS)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # within two bf16 ulps, and different at all on at most 1% of the values
+        diff = (got.float() - want.float()).abs()
+        ulp = want.float().abs().clamp(min=1e-30) * 2**-6
+        assert bool((diff <= ulp).all())
+        assert (diff > 0).float().mean().item() <= 0.01
+
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+ROWS = pytest.mark.parametrize("rows", [1, 7, 300])
+
+
+@DTYPES
+@ROWS
+def test_norm_and_residual_add(ops, dtype, rows):
+    native_ops, torch_ops = ops
+    gen = torch.Generator().manual_seed(rows)
+    h = (torch.randn(rows, 96, generator=gen) * 3).to(dtype)
+    delta = torch.randn(rows, 96, generator=gen).to(dtype)
+    weight = (torch.rand(96, generator=gen) + 0.5).to(dtype)
+    close(native_ops.norm(h, weight), torch_ops.norm(h, weight), dtype)
+    want_h, want_x = torch_ops.add_norm(h, delta, weight)
+    got_h, got_x = native_ops.add_norm(h.clone(), delta, weight)
+    assert torch.equal(got_h, want_h)  # the residual stream is one rounded add: exact
+    close(got_x, want_x, dtype)
+
+
+@DTYPES
+@ROWS
+def test_silu_mul(ops, dtype, rows):
+    native_ops, torch_ops = ops
+    gate_up = (torch.randn(rows, 2 * 80, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    close(native_ops.silu_mul(gate_up), torch_ops.silu_mul(gate_up), dtype)
+
+
+@DTYPES
+@ROWS
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 32), (6, 6, 64)])
+def test_rope_on_strided_q_and_k(ops, dtype, rows, heads, kv_heads, dim):
+    """q and k as the model hands them over: views into the fused qkv projection."""
+    native_ops, torch_ops = ops
+    gen = torch.Generator().manual_seed(dim)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * dim].view(rows, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, dim)
+    angles = torch.rand(rows, dim, generator=gen) * 6.28
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    got_q, got_k = native_ops.rope(q, k, cos, sin)
+    want_q, want_k = torch_ops.rope(q, k, cos, sin)
+    close(got_q, want_q, dtype)
+    close(got_k, want_k, dtype)
+
+
+def test_refuses_what_it_cannot_read(ops):
+    fused = ops[0].fused
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="weight"):
+        fused.rms_norm(x, torch.ones(7), EPS)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        fused.silu_mul(x.double())
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        fused.rms_norm(x.t(), torch.ones(4), EPS)
+    with pytest.raises(RuntimeError, match="residual"):
+        fused.add_rms_norm_(x, torch.randn(3, 8), torch.ones(8), EPS)
