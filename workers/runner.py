@@ -14,7 +14,7 @@ from workers.attention import AttentionMetadata, PrefillSeq
 from workers.config import EngineConfig
 from workers.decode_workspace import DecodeWorkspace
 from workers.loader import load_weights, parse_dtype
-from workers.model import CausalLM
+from workers.model import CausalLM, can_pack, pack_weights
 from workers.model_config import ModelConfig, load_model_config
 from workers.request import Request
 from workers.sampler import compute_logprobs, make_sampling_batch, sample
@@ -129,7 +129,10 @@ class ModelRunner:
         if config.native_kernels and self.device.type == "cpu" and self.dtype in NATIVE_DTYPES:
             fused = native.fused_ops()
         self.fused_ops = fused is not None
-        self.model = CausalLM(cfg, weights, self.max_model_len, shard, fused)
+        self.packed = config.packed_weights and can_pack(self.device, self.dtype)
+        if self.packed:
+            weights = pack_weights(weights)
+        self.model = CausalLM(cfg, weights, self.max_model_len, shard, fused, self.packed)
         self.block_size = config.block_size
         per_token = kv_bytes_per_token(cfg, self.dtype)
         if config.num_kv_blocks is not None:
@@ -180,12 +183,13 @@ class ModelRunner:
             if self.device.type == "cpu":
                 self.decode_kernel = native.decode_attention()
         log.info(
-            "loaded %s (%s, %.1fM parameters, %s on %s, %d threads) in %.1fs; KV cache holds "
+            "loaded %s (%s, %.1fM parameters, %s%s on %s, %d threads) in %.1fs; KV cache holds "
             "%d tokens (%d blocks of %d, %.2f GiB)",
             model_dir,
             cfg.architecture,
             self.num_parameters / 1e6,
             config.dtype,
+            ", weights packed for oneDNN" if self.packed else "",
             self.device,
             self.num_threads,
             time.perf_counter() - t0,

@@ -35,10 +35,13 @@ def make_engine(
         scheduler=sched,
         decode_workspace_tokens=workspace,
         native_kernels=native,
+        packed_weights=native,
     )
     engine = LLMEngine.from_pretrained(path, cfg)
-    # The workspace decodes attend in the native kernel unless asked not to, every run.
+    # The CPU fast path (native kernels, packed weights) unless asked not to, every run;
+    # without it, torch's own ops throughout: the reference configuration.
     assert (engine.runner.decode_kernel is not None) == (native and workspace > 0)
+    assert engine.runner.fused_ops == engine.runner.packed == native
     return engine
 
 
@@ -47,7 +50,7 @@ def references(checkpoints: dict[str, Path]):
     return {arch: load_reference(path) for arch, path in checkpoints.items()}
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native-attention", "torch-attention"])
+@pytest.mark.parametrize("native", [True, False], ids=["cpu-fast-path", "torch-ops"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_batch_of_mixed_lengths_matches_transformers(arch, native, checkpoints, references):
     prompts = make_prompts(6, seed=1)
