@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from benchmarks.engine_levers import levers_section
 from benchmarks.engine_structured import structured_checkpoint, structured_section
 from benchmarks.stats import LATENCY_COLUMNS, markdown_table, write_report
 
@@ -113,6 +114,16 @@ def run_engine_bench(opts: BenchOptions) -> dict:
                 "prefill_tokens": 256 if opts.quick else 2048,
             }
             jobs.append((f"decode/{dtype}", decode_spec))
+        if "levers" in opts.scenarios:
+            levers_spec = {
+                "ckpt": str(ckpt),
+                "dtype": dtype,
+                "batches": [1, 16, 64],
+                "decode_context": 64 if opts.quick else 256,
+                "rounds": 2 if opts.quick else 6,
+                "steps_per_round": 3 if opts.quick else 5,
+            }
+            jobs.append((f"levers/{dtype}", levers_spec))
     if "prefix" in opts.scenarios:
         plen = 128 if opts.quick else 1024
         jobs.append(
@@ -294,6 +305,8 @@ def summarize(results: dict[str, dict], opts: BenchOptions) -> dict:
             parts += _throughput_section(results, opts, data, dtype)
         if f"decode/{dtype}" in ok:
             parts += _decode_section(ok[f"decode/{dtype}"], dtype)
+        if f"levers/{dtype}" in ok:
+            parts += levers_section(ok[f"levers/{dtype}"])
     if "prefix" in ok:
         parts += _prefix_section(ok["prefix"], data)
     if "chunked" in ok:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.engine_levers import run_levers
 from benchmarks.engine_structured import run_structured
 from benchmarks.roofline import (
     Machine,
@@ -439,6 +440,7 @@ SYSTEMS = {
     "hf_generate": run_hf_generate,
     "hf_generate_batch": run_hf_generate_batch,
     "decode": run_decode,
+    "levers": run_levers,
     "prefix": run_prefix,
     "chunked": run_chunked,
     "structured": run_structured,

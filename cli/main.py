@@ -339,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument(
         "--scenarios",
         default="throughput,decode,prefix,chunked",
-        help="comma list of throughput,decode,prefix,chunked,structured",
+        help="comma list of throughput,decode,levers,prefix,chunked,structured",
     )
     be.add_argument(
         "--model", default=None, help="a local checkpoint dir (default: a random ~32M Llama)"
