@@ -66,9 +66,24 @@ def _unpacked(weights):
     return ModelWeights(weights.embed, layers, weights.norm, dense(weights.lm_head))
 
 
+def fast_path_parts(engine) -> _Parts | None:
+    """The levers of an engine built with the CPU fast path on; None if it is not."""
+    from workers.model import TorchOps
+
+    runner, model = engine.runner, engine.runner.model
+    if not (runner.packed and runner.fused_ops and runner.decode_kernel is not None):
+        return None
+    return _Parts(
+        model.weights,
+        _unpacked(model.weights),
+        model.ops,
+        TorchOps(model.cfg.rms_norm_eps),
+        runner.decode_kernel,
+    )
+
+
 def _levers_point(spec: dict, batch: int) -> dict:
     from benchmarks.engine_systems import _engine, greedy_params
-    from workers.model import TorchOps
 
     ctx, rounds, per = spec["decode_context"], spec["rounds"], spec["steps_per_round"]
     total = rounds * per * len(CONFIGS) + 4
@@ -79,16 +94,10 @@ def _levers_point(spec: dict, batch: int) -> dict:
         max_seqs=batch,
         dtype=spec["dtype"],
     )
-    runner, model = engine.runner, engine.runner.model
-    if not (runner.packed and runner.fused_ops and runner.decode_kernel is not None):
+    parts = fast_path_parts(engine)
+    if parts is None:
         return {"batch": batch, "error": "the CPU fast path is not on in this engine"}
-    parts = _Parts(
-        model.weights,
-        _unpacked(model.weights),
-        model.ops,
-        TorchOps(model.cfg.rms_norm_eps),
-        runner.decode_kernel,
-    )
+    runner = engine.runner
     gen = torch.Generator().manual_seed(7)
     vocab = runner.model_config.vocab_size
     for i in range(batch):
