@@ -1,7 +1,8 @@
 """The native fused per-layer ops against torch's (`workers.model.TorchOps`).
 
 bf16 must agree but for rare steps of an ulp or two (RMSNorm's fp32 sum is reassociated,
-SiLU's exp is libmvec's: one intermediate rounded the other way); fp32 to a few ulps. Built here, or the test fails (it does not skip)."""
+SiLU's exp is libmvec's: one intermediate rounded the other way); fp32 to a few ulps.
+Built here, or the test fails (it does not skip)."""
 
 from types import SimpleNamespace
 
