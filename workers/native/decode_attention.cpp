@@ -19,6 +19,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 inline float load(const float* p) { return *p; }
@@ -33,6 +37,91 @@ inline float load(const at::BFloat16* p) {
 inline void store(float* p, float x) { *p = x; }
 
 inline void store(at::BFloat16* p, float x) { *p = at::BFloat16(x); }
+
+#if defined(__AVX512F__)
+// 16 values from p as fp32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// r[j] = sum of the 16 lanes of a[j], for j < 16: a transpose-and-add tree, 45 shuffles
+// and adds for 16 dot products instead of a horizontal sum (about 8 ops) for each.
+inline __m512 sum16(const __m512* a) {
+  __m512 s1[8], s2[4], s3[2];
+  for (int i = 0; i < 8; ++i)  // lanes of a pair (x, y): x y x y
+    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                          _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // four dot products per 128-bit lane, in order
+    s2[i] = _mm512_add_ps(_mm512_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0x44),
+                          _mm512_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)  // fold the four 128-bit lanes: pairs first
+    s3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0x88),
+                          _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88),
+                       _mm512_shuffle_f32x4(s3[0], s3[1], 0xDD));
+}
+
+// Scores (unscaled q.k) of 16 consecutive keys [16, D] for one query: D / 16 chunks.
+template <typename T, int C>
+inline __m512 scores16(const __m512* q, const T* k) {
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) {
+    __m512 a = _mm512_mul_ps(q[0], load16(k + j * C * 16));
+    for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(q[c], load16(k + j * C * 16 + c * 16), a);
+    acc[j] = a;
+  }
+  return sum16(acc);
+}
+
+// One (sequence, KV head) task with head_dim = 16 * C: scores in 16-key blocks, softmax,
+// then the values weighted into C accumulators per query head.
+template <typename T, int C>
+void task_avx512(const T* q_heads, int64_t q_stride, int64_t G, const T* kr, const T* vr,
+                 int64_t L, float scale, float* scores, float* inv, T* out, int64_t o_stride) {
+  constexpr int64_t D = 16 * C;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 q[C];
+    for (int c = 0; c < C; ++c) q[c] = load16(q_heads + g * q_stride + c * 16);
+    float* sg = scores + g * L;
+    const __m512 sc = _mm512_set1_ps(scale);
+    int64_t t = 0;
+    for (; t + 16 <= L; t += 16)
+      _mm512_storeu_ps(sg + t, _mm512_mul_ps(scores16<T, C>(q, kr + t * D), sc));
+    for (; t < L; ++t) {  // the last < 16 keys
+      __m512 a = _mm512_mul_ps(q[0], load16(kr + t * D));
+      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(q[c], load16(kr + t * D + c * 16), a);
+      sg[t] = _mm512_reduce_add_ps(a) * scale;
+    }
+    float m = sg[0];
+    for (int64_t i = 1; i < L; ++i) m = std::max(m, sg[i]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < L; ++i) {
+      sg[i] = std::exp(sg[i] - m);
+      sum += sg[i];
+    }
+    inv[g] = 1.f / sum;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+    const float* sg = scores + g * L;
+    for (int64_t t = 0; t < L; ++t) {
+      const __m512 p = _mm512_set1_ps(sg[t]);
+      for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vr + t * D + c * 16), acc[c]);
+    }
+    const __m512 w = _mm512_set1_ps(inv[g]);
+    alignas(64) float res[D];
+    for (int c = 0; c < C; ++c) _mm512_store_ps(res + c * 16, _mm512_mul_ps(acc[c], w));
+    T* og = out + g * o_stride;
+    for (int64_t d = 0; d < D; ++d) store(og + d, res[d]);
+  }
+}
+#endif
+
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
@@ -61,6 +150,18 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
       T* vr = vp + (h * R + s) * Tmax * D;
       std::memcpy(kr + (L - 1) * D, knp + s * k_s0 + h * k_s1, D * sizeof(T));
       std::memcpy(vr + (L - 1) * D, vnp + s * v_s0 + h * v_s1, D * sizeof(T));
+#if defined(__AVX512F__)
+      if (D == 64 || D == 128) {
+        const T* qh = qp + s * q_s0 + h * G * q_s1;
+        T* oh = op + s * o_s0 + h * G * o_s1;
+        if (D == 64) {
+          task_avx512<T, 4>(qh, q_s1, G, kr, vr, L, scale, scores.data(), inv.data(), oh, o_s1);
+        } else {
+          task_avx512<T, 8>(qh, q_s1, G, kr, vr, L, scale, scores.data(), inv.data(), oh, o_s1);
+        }
+        continue;
+      }
+#endif
       for (int64_t g = 0; g < G; ++g) {
         const T* qg = qp + s * q_s0 + (h * G + g) * q_s1;
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load(qg + d) * scale;

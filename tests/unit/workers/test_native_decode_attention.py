@@ -49,7 +49,7 @@ def make_case(seqs, heads, kv_heads, dim, rows, tokens, dtype, seed):
 @pytest.mark.parametrize(
     "dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"]
 )
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (8, 2, 64), (6, 3, 128)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (8, 2, 64), (6, 3, 128), (4, 1, 32)])
 def test_matches_reference_and_appends_the_new_token(kernel, dtype, tol, heads, kv_heads, dim):
     seqs, rows, tokens = 5, 7, 40
     q, k_new, v_new, k_ws, v_ws, lengths = make_case(
