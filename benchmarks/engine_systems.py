@@ -241,8 +241,9 @@ def run_hf_generate_batch(spec: dict) -> dict:
     return out
 
 
-def _decode_point(spec: dict, batch: int, machine: Machine) -> dict:
-    """Median decode step at `batch` sequences of ~`decode_context` tokens, vs its roofline."""
+def _decode_point(spec: dict, batch: int) -> dict:
+    """Decode steps at `batch` sequences of ~`decode_context` tokens: their times and costs
+    (`_against` turns them into figures once the machine's best is known)."""
     ctx, steps, dtype = spec["decode_context"], spec["decode_steps"], spec["dtype"]
     engine = _engine(
         spec["ckpt"],
@@ -267,20 +268,27 @@ def _decode_point(spec: dict, batch: int, machine: Machine) -> dict:
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
-    ratios = sorted(t / roofline_s(c, machine) for t, c in zip(times, meter.steps, strict=True))
-    mid = meter.steps[len(meter.steps) // 2]
+    return {"batch": batch, "times": times, "costs": meter.steps}
+
+
+def _against(point: dict, machine: Machine) -> dict:
+    """A decode point's median step against its roofline on `machine`."""
+    times, costs = point.pop("times"), point.pop("costs")
+    ratios = sorted(t / roofline_s(c, machine) for t, c in zip(times, costs, strict=True))
+    mid = costs[len(costs) // 2]
+    step = percentile(times, 50)
     return {
-        "batch": batch,
-        "step_ms": percentile(times, 50) * 1e3,
+        **point,
+        "step_ms": step * 1e3,
         "roofline_ms": roofline_s(mid, machine) * 1e3,
         "over_roofline": percentile(ratios, 50),
-        "gflops": mid.flops / percentile(times, 50) / 1e9,
-        "gb_s": mid.bytes / percentile(times, 50) / 1e9,
+        "gflops": mid.flops / step / 1e9,
+        "gb_s": mid.bytes / step / 1e9,
     }
 
 
-def _prefill_point(spec: dict, machine: Machine) -> dict:
-    """One prompt of `prefill_tokens` prefilled in one step: achieved FLOP/s vs the peak."""
+def _prefill_point(spec: dict) -> dict:
+    """One prompt of `prefill_tokens` prefilled in one step: its best time and cost."""
     n, dtype = spec["prefill_tokens"], spec["dtype"]
     engine = _engine(
         spec["ckpt"],
@@ -301,35 +309,33 @@ def _prefill_point(spec: dict, machine: Machine) -> dict:
         times.append(time.perf_counter() - t)
         while engine.has_unfinished_requests():
             engine.step()
-    cost = meter.steps[0]
     best = min(times[1:])  # the first pays for one-time allocations
-    return {
-        "tokens": n,
+    return {"tokens": n, "best": best, "cost": meter.steps[0]}
+
+
+def run_decode(spec: dict) -> dict:
+    """Decode steps at several batch sizes and a long prefill, each against its roofline.
+
+    The machine (GEMM peak, bandwidth) is measured before and after, and every ratio is
+    taken against the best of each: on a shared machine, a measurement taken while busy
+    would make the roofline too lenient."""
+    before = measure_machine(spec["dtype"])
+    points = [_decode_point(spec, b) for b in spec["decode_batches"]]
+    pre = _prefill_point(spec)
+    machine = measure_machine(spec["dtype"], before)
+    cost, best = pre.pop("cost"), pre.pop("best")
+    prefill = {
+        **pre,
         "step_ms": best * 1e3,
         "roofline_ms": roofline_s(cost, machine) * 1e3,
         "over_roofline": best / roofline_s(cost, machine),
         "gflops": cost.flops / best / 1e9,
         "fraction_of_peak": cost.flops / best / machine.gemm_flops,
     }
-
-
-def run_decode(spec: dict) -> dict:
-    """Decode steps at several batch sizes and a long prefill, each against its roofline."""
-    # Measured before and after, best of both, and every ratio taken against that best.
-    before = measure_machine(spec["dtype"])
-    decode = [_decode_point(spec, b, before) for b in spec["decode_batches"]]
-    prefill = _prefill_point(spec, before)
-    machine = measure_machine(spec["dtype"], before)
-    scale_ratio = min(before.gemm_flops / machine.gemm_flops, before.bandwidth / machine.bandwidth)
-    for point in [*decode, prefill]:
-        # A stronger machine shortens the roofline: rescale (conservatively) to the best.
-        point["roofline_ms"] *= scale_ratio
-        point["over_roofline"] /= scale_ratio
-    prefill["fraction_of_peak"] = prefill["gflops"] * 1e9 / machine.gemm_flops
     return {
         "machine": _machine_dict(machine),
         "decode_context": spec["decode_context"],
-        "decode": decode,
+        "decode": [_against(p, machine) for p in points],
         "prefill": prefill,
     }
 
