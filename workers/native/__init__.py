@@ -59,16 +59,33 @@ def enabled() -> bool:
     return os.environ.get(DISABLE_ENV, "1").lower() not in ("0", "false", "no", "off")
 
 
+STALE_LOCK_S = 600.0  # a build lock older than this was left by a killed build
+
+
+def _clear_stale_lock(build_dir: Path) -> None:
+    """torch waits forever on the lock of a build whose process was killed (a worker
+    stopped mid-build); a build takes about 30 s, so an old lock is such a leftover."""
+    lock = build_dir / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            log.warning("removing a stale build lock %s", lock)
+            lock.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
+
+
 @functools.cache
 def _build(name: str):
     """Build (or load from the cache) one extension; None, logged, when it cannot be built."""
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
     _ensure_ninja()
+    module_name = f"switchyard_{name}_{_cpu_tag()}"
     t0 = time.perf_counter()
     try:
+        _clear_stale_lock(Path(_get_build_directory(module_name, verbose=False)))
         module = load(
-            name=f"switchyard_{name}_{_cpu_tag()}",
+            name=module_name,
             sources=[str(SOURCE_DIR / f"{name}.cpp")],
             extra_cflags=CFLAGS,
             verbose=False,
