@@ -1,12 +1,17 @@
 """Relaying a worker's SSE stream to the client as bytes.
 
 Events are forwarded as received (never re-encoded), several per write when the worker
-sent several at once. Each `data:` event is read through the wire contract
-(`workers.api.StreamChunk`): the usage chunk is noted (and dropped unless the client
-asked for it), an output chunk counts one token (the worker's contract: one chunk per
-token) for the charge of a stream that is cut short, and an error event ends the relay
-after forwarding it. After `[DONE]` the rest of the upstream body is drained so its
-keep-alive connection is reused.
+sent several at once. Only the events that carry usage or an error are decoded, through
+the wire contract (`workers.api.StreamChunk`): the usage chunk is noted (and dropped
+unless the client asked for it), and an error event ends the relay after forwarding it.
+Every other event is an output chunk, recognised by its bytes, and counts one token (the
+worker's contract: one chunk per token) for the charge of a stream that is cut short.
+After `[DONE]` the rest of the upstream body is drained so its keep-alive connection is
+reused.
+
+Recognising by bytes is sound because JSON escapes every quote inside a string: the key
+`"usage"` (quote, usage, quote) or `"choices"` cannot occur inside any text a model
+wrote, only as the chunk's own keys, however the JSON is spaced.
 """
 
 import asyncio
@@ -18,6 +23,8 @@ from gateway.plan import note_usage
 from workers.api import UpstreamError, UpstreamResponse, parse_chunk
 
 DONE = b"data: [DONE]\n\n"
+_DECODE_IF = (b'"usage"', b'"error"')  # the only events whose content the relay reads
+_OUTPUT_CHUNK = b'"choices"'  # without usage: an output chunk (the worker sends no other)
 
 
 class StreamTimeout(Exception):
@@ -100,6 +107,11 @@ async def relay(
                 out.append(DONE)
                 finished = True
                 break
+            if _DECODE_IF[0] not in data and _DECODE_IF[1] not in data:
+                if _OUTPUT_CHUNK in data:
+                    served.tokens_relayed += 1
+                out.append(b"data: " + data + b"\n\n")
+                continue
             chunk = parse_chunk(data)
             if chunk is not None:
                 if chunk.usage is not None:

@@ -1,0 +1,80 @@
+"""The SSE relay reads only the events that carry usage or an error; every other event is
+forwarded as bytes and counted as one token."""
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from gateway import relay as relay_mod
+from gateway.flight import Attempt
+from gateway.relay import relay
+
+
+class Upstream:
+    """A worker's streaming body, handed over in the pieces given."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+
+    async def aiter_raw(self):
+        for piece in self.pieces:
+            yield piece
+
+
+def event(obj) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"  # spaced, unlike the worker's
+
+
+def token(text: str) -> bytes:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+    return event({"id": "c", "object": "text_completion", "choices": [choice]})
+
+
+USAGE = event(
+    {
+        "id": "c",
+        "object": "text_completion",
+        "choices": [],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+    }
+)
+DONE = b"data: [DONE]\n\n"
+
+
+def run(pieces: list[bytes], wants_usage: bool) -> tuple[bytes, Attempt]:
+    attempt = Attempt(lease=None)
+
+    async def go() -> bytes:
+        out = [
+            b async for b in relay(Upstream(pieces), attempt, wants_usage, time.monotonic() + 5, 5)
+        ]
+        return b"".join(out)
+
+    return asyncio.run(go()), attempt
+
+
+@pytest.mark.parametrize("wants_usage", [True, False])
+def test_output_chunks_are_counted_without_decoding_and_usage_is_read(monkeypatch, wants_usage):
+    decoded = []
+    real = relay_mod.parse_chunk
+    monkeypatch.setattr(relay_mod, "parse_chunk", lambda d: decoded.append(d) or real(d))
+    # Text that spells the keys the relay looks for, as a model could write it.
+    tricky = token('he said "usage": {"error": 1}, "choices": [{')
+    stream = token("a") + tricky + token("c") + USAGE + DONE
+    # Cut into pieces that split events, as TCP may.
+    pieces = [stream[i : i + 7] for i in range(0, len(stream), 7)]
+    body, attempt = run(pieces, wants_usage)
+    assert attempt.served.tokens_relayed == 3
+    assert attempt.served.usage_completion_tokens == 3
+    assert decoded == [USAGE[6:-2]]  # only the usage event was decoded
+    expected = token("a") + tricky + token("c") + (USAGE if wants_usage else b"") + DONE
+    assert body == expected
+
+
+def test_an_error_event_is_forwarded_and_ends_the_stream():
+    error = event({"error": {"message": "boom", "type": "server_error", "code": None}})
+    body, attempt = run([token("a") + error + token("never")], True)
+    assert body == token("a") + error + DONE
+    assert attempt.served.tokens_relayed == 1
