@@ -16,8 +16,6 @@ minutes apart differ by more than the levers do. Configurations:
 import time
 from dataclasses import dataclass
 
-import torch
-
 from benchmarks.stats import markdown_table, percentile
 
 CONFIGS = ["fast path", "dense weights", "torch ops", "torch attention", "all torch"]
@@ -46,24 +44,9 @@ class _Parts:
 
 
 def _unpacked(weights):
-    from dataclasses import replace
+    from workers.model import map_linears
 
-    from workers.model import ModelWeights
-
-    def dense(w: torch.Tensor) -> torch.Tensor:
-        return w.to_dense() if w.is_mkldnn else w
-
-    layers = [
-        replace(
-            layer,
-            qkv=dense(layer.qkv),
-            o=dense(layer.o),
-            gate_up=dense(layer.gate_up),
-            down=dense(layer.down),
-        )
-        for layer in weights.layers
-    ]
-    return ModelWeights(weights.embed, layers, weights.norm, dense(weights.lm_head))
+    return map_linears(weights, lambda w: w.to_dense() if w.is_mkldnn else w)
 
 
 def fast_path_parts(engine) -> _Parts | None:
@@ -83,30 +66,14 @@ def fast_path_parts(engine) -> _Parts | None:
 
 
 def _levers_point(spec: dict, batch: int) -> dict:
-    from benchmarks.engine_systems import _engine, greedy_params
+    from benchmarks.engine_systems import decoding_engine
 
     ctx, rounds, per = spec["decode_context"], spec["rounds"], spec["steps_per_round"]
     total = rounds * per * len(CONFIGS) + 4
-    engine = _engine(
-        spec["ckpt"],
-        num_blocks=batch * (ctx + total + 8) // 16 + 64,
-        budget=4096,
-        max_seqs=batch,
-        dtype=spec["dtype"],
-    )
+    engine = decoding_engine(spec["ckpt"], spec["dtype"], batch, ctx, total)
     parts = fast_path_parts(engine)
     if parts is None:
         return {"batch": batch, "error": "the CPU fast path is not on in this engine"}
-    runner = engine.runner
-    gen = torch.Generator().manual_seed(7)
-    vocab = runner.model_config.vocab_size
-    for i in range(batch):
-        prompt = torch.randint(3, vocab, (ctx,), generator=gen).tolist()
-        engine.add_request(f"l{i}", prompt_token_ids=prompt, params=greedy_params(total + 8))
-    while engine.scheduler.num_running < batch or any(
-        r.num_output_tokens == 0 for r in engine.scheduler.running
-    ):
-        engine.step()
     times: dict[str, list[float]] = {c: [] for c in CONFIGS}
     for _ in range(rounds):
         for config in CONFIGS:

@@ -57,31 +57,29 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+def map_linears(weights: ModelWeights, fn: Callable[[torch.Tensor], torch.Tensor]) -> ModelWeights:
+    """The same weights with `fn` applied to every linear matrix (qkv, o, gate_up, down,
+    the LM head); embeddings, norms and biases as they are."""
+    layers = [
+        replace(
+            layer, qkv=fn(layer.qkv), o=fn(layer.o), gate_up=fn(layer.gate_up), down=fn(layer.down)
+        )
+        for layer in weights.layers
+    ]
+    return ModelWeights(weights.embed, layers, weights.norm, fn(weights.lm_head))
+
+
 def pack_weights(weights: ModelWeights) -> ModelWeights:
     """The same weights with every linear matrix reordered once into oneDNN's blocked
     layout, for `packed_linear`; embeddings and norms stay dense.
 
     Dense weights are re-blocked by the GEMM inside every call; decode steps are small
-    enough that this shows. Measured on the bench model, one process alternating the
-    two (docs/benchmarks/engine-roofline.md): fp32 decode steps 1.6-1.8x faster at
-    batch 1-16 and 1.3x at 64, bf16 1.1-1.3x at batch 1-16. bf16 results are the same
+    enough that this shows. Measured on the bench model by `switchyard bench engine
+    --scenarios levers` (docs/benchmarks/engine-roofline.md): dense weights made fp32
+    decode steps 1.5-1.7x slower at batch 1-64, bf16 1.1-1.45x. bf16 results are the same
     bits as `F.linear`'s; fp32 ones differ in rounding (oneDNN's blocking, not MKL's).
     """
-
-    def pack(w: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._reorder_linear_weight(w)
-
-    layers = [
-        replace(
-            layer,
-            qkv=pack(layer.qkv),
-            o=pack(layer.o),
-            gate_up=pack(layer.gate_up),
-            down=pack(layer.down),
-        )
-        for layer in weights.layers
-    ]
-    return ModelWeights(weights.embed, layers, weights.norm, pack(weights.lm_head))
+    return map_linears(weights, torch.ops.mkldnn._reorder_linear_weight)
 
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
