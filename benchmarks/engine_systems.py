@@ -241,12 +241,11 @@ def run_hf_generate_batch(spec: dict) -> dict:
     return out
 
 
-def _decode_point(spec: dict, batch: int) -> dict:
-    """Decode steps at `batch` sequences of ~`decode_context` tokens: their times and costs
-    (`_against` turns them into figures once the machine's best is known)."""
-    ctx, steps, dtype = spec["decode_context"], spec["decode_steps"], spec["dtype"]
+def decoding_engine(ckpt: str, dtype: str, batch: int, ctx: int, steps: int):
+    """An engine with `batch` random prompts of `ctx` tokens prefilled and every one of
+    them decoding, with room for `steps` more decode steps."""
     engine = _engine(
-        spec["ckpt"],
+        ckpt,
         num_blocks=batch * (ctx + steps + 8) // 16 + 64,
         budget=4096,
         max_seqs=batch,
@@ -261,6 +260,14 @@ def _decode_point(spec: dict, batch: int) -> dict:
         r.num_output_tokens == 0 for r in engine.scheduler.running
     ):
         engine.step()
+    return engine
+
+
+def _decode_point(spec: dict, batch: int) -> dict:
+    """Decode steps at `batch` sequences of ~`decode_context` tokens: their times and costs
+    (`_against` turns them into figures once the machine's best is known)."""
+    steps = spec["decode_steps"]
+    engine = decoding_engine(spec["ckpt"], spec["dtype"], batch, spec["decode_context"], steps)
     engine.step()  # warm
     meter = CostMeter(engine)
     times = []
