@@ -97,19 +97,21 @@ def _build(name: str):
     return module
 
 
+def _kernel(name: str):
+    """The module built from `name`.cpp, or None (switched off, or it cannot be built)."""
+    if not enabled():
+        log.info("native kernels off (%s=0): %s runs in torch", DISABLE_ENV, name)
+        return None
+    return _build(name)
+
+
 def fused_ops():
     """The module of fused per-layer ops (`fused_ops.cpp`: rms_norm, add_rms_norm_, rope,
     silu_mul), or None."""
-    if not enabled():
-        log.info("native kernels off (%s=0): per-layer ops run in torch", DISABLE_ENV)
-        return None
-    return _build("fused_ops")
+    return _kernel("fused_ops")
 
 
 def decode_attention() -> DecodeAttention | None:
     """The workspace decode-attention kernel (`decode_attention.cpp`), or None."""
-    if not enabled():
-        log.info("native kernels off (%s=0): decode attention runs in torch", DISABLE_ENV)
-        return None
-    module = _build("decode_attention")
+    module = _kernel("decode_attention")
     return None if module is None else module.decode_attention

@@ -38,6 +38,19 @@ inline void store(float* p, float x) { *p = x; }
 
 inline void store(at::BFloat16* p, float x) { *p = at::BFloat16(x); }
 
+// s[0..L) <- exp(s - max(s)) in place; returns 1 / their sum.
+inline float softmax_unnormalised(float* s, int64_t L) {
+  float m = s[0];
+  for (int64_t t = 1; t < L; ++t) m = std::max(m, s[t]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < L; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  return 1.f / sum;
+}
+
 #if defined(__AVX512F__)
 // 16 values from p as fp32.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -95,15 +108,7 @@ void task_avx512(const T* q_heads, int64_t q_stride, int64_t G, const T* kr, con
       for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(q[c], load16(kr + t * D + c * 16), a);
       sg[t] = _mm512_reduce_add_ps(a) * scale;
     }
-    float m = sg[0];
-    for (int64_t i = 1; i < L; ++i) m = std::max(m, sg[i]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < L; ++i) {
-      sg[i] = std::exp(sg[i] - m);
-      sum += sg[i];
-    }
-    inv[g] = 1.f / sum;
+    inv[g] = softmax_unnormalised(sg, L);
   }
   for (int64_t g = 0; g < G; ++g) {
     __m512 acc[C];
@@ -176,18 +181,7 @@ void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
           scores[g * L + t] = dot;
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * L;
-        float m = sg[0];
-        for (int64_t t = 1; t < L; ++t) m = std::max(m, sg[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < L; ++t) {
-          sg[t] = std::exp(sg[t] - m);
-          sum += sg[t];
-        }
-        inv[g] = 1.f / sum;
-      }
+      for (int64_t g = 0; g < G; ++g) inv[g] = softmax_unnormalised(scores.data() + g * L, L);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
         const T* vt = vr + t * D;
