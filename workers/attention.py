@@ -40,7 +40,6 @@ class AttentionMetadata:
     # Decodes that read their rows of the decode workspace (in row order).
     num_workspace_decodes: int = 0
     workspace: DecodeWorkspace | None = None
-    workspace_positions: torch.Tensor | None = None  # [n] position of each new token
     workspace_slots: torch.Tensor | None = None  # [n] flat workspace slot of each new token
     workspace_mask: torch.Tensor | None = None  # [n, T] True = attend
     # The native kernel (`workers.native.decode_attention`) that appends and attends in

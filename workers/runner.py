@@ -304,7 +304,6 @@ class ModelRunner:
             positions = torch.tensor(computed, dtype=torch.long, device=dev)
             meta.num_workspace_decodes = num_ws
             meta.workspace = self.workspace
-            meta.workspace_positions = positions
             if self.decode_kernel is not None:
                 meta.workspace_kernel = self.decode_kernel
                 meta.workspace_lengths = positions + 1
