@@ -23,5 +23,6 @@ def test_switched_off_by_the_environment(monkeypatch):
         monkeypatch.setenv(native.DISABLE_ENV, off)
         assert not native.enabled()
         assert native.fused_ops() is None
+        assert native.decode_attention() is None
     monkeypatch.setenv(native.DISABLE_ENV, "1")
     assert native.enabled()

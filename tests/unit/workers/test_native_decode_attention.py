@@ -81,8 +81,3 @@ def test_refuses_shapes_it_would_read_past(kernel):
     small = k_ws[:, :2].contiguous()
     with pytest.raises(RuntimeError, match="more queries than workspace rows"):
         kernel(q, k_new, v_new, small, small, lengths, 0.125, out)
-
-
-def test_off_by_environment(monkeypatch):
-    monkeypatch.setenv(native.DISABLE_ENV, "0")
-    assert native.decode_attention() is None
