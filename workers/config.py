@@ -10,6 +10,15 @@ class SchedulerConfig:
     max_num_seqs: int = 128  # requests resident in one batch
     max_num_batched_tokens: int = 2048  # tokens computed per step (decodes + prefill chunks)
     max_prefill_chunk: int | None = None  # per-request prefill cap per step; None = the budget
+    # A chunked prefill token that attends over L tokens already in the cache costs
+    # 1 + L / this of the step's budget, so chunks after long context shrink and a step's
+    # time (hence every decode's gap) stays bounded: the context length at which a token's
+    # attention takes as long as its linear layers. None = half the length at which their
+    # multiply-adds are equal (`ModelConfig.attention_parity_context`), because attention
+    # over a chunk's few queries runs at about half the linear layers' rate (CPU, bench
+    # model, one step trace: a chunk token after L tokens of context cost about
+    # 1 + L / 1,100 tokens' time, against 1 + L / 2,880 by multiply-adds). 0 = tokens only.
+    attention_parity_context: int | None = None
     enable_chunked_prefill: bool = True  # False: a prompt is prefilled in one step or waits
     aging_steps: int = 64  # a waiting request gains one priority level per this many steps
 

@@ -74,7 +74,11 @@ class LLMEngine:
         self.kv = KVCacheManager(
             runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv, clock)
+        sched = config.scheduler
+        if sched.attention_parity_context is None:
+            parity = max(1, runner.model_config.attention_parity_context // 2)
+            sched = replace(sched, attention_parity_context=parity)
+        self.scheduler = Scheduler(sched, self.kv, clock)
         self.max_model_len = min(runner.max_model_len, runner.kv_capacity_tokens)
         eos = tokenizer.eos_token_ids if tokenizer else runner.model_config.eos_token_ids
         self.eos_token_ids: tuple[int, ...] = eos

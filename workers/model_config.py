@@ -43,6 +43,14 @@ class ModelConfig:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
+    @property
+    def attention_parity_context(self) -> int:
+        """Context length at which a token's attention (QK and PV over that many keys)
+        takes as many multiply-adds as its linear layers (qkv, o, gate/up, down)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        linear = self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size
+        return max(1, linear // (2 * q))
+
 
 def _ids(value: Any) -> tuple[int, ...]:
     if value is None:

@@ -39,12 +39,33 @@ def pick_victim(candidates: list[Request]) -> Request:
     return max(candidates, key=lambda r: (r.priority, -r.num_computed_tokens, r.arrival_time))
 
 
-def prefill_chunk(num_remaining: int, budget: int, chunk_cap: int | None, chunked: bool) -> int:
-    """Tokens of a prefill to compute now; 0 when it must wait for a later step."""
+def prefill_chunk(
+    num_remaining: int,
+    budget: int,
+    chunk_cap: int | None,
+    chunked: bool,
+    context: int = 0,
+    parity: int | None = None,
+) -> int:
+    """Tokens of a prefill to compute now; 0 when it must wait for a later step.
+
+    A chunk attending over `context` cached tokens is shortened to what its cost
+    (`chunk_cost`) lets into the budget, but never below one token.
+    """
     if not chunked:
         return num_remaining if num_remaining <= budget else 0
     cap = budget if chunk_cap is None else min(budget, chunk_cap)
+    if parity and context:
+        cap = min(cap, max(1, budget * parity // (parity + context)))
     return min(num_remaining, cap)
+
+
+def chunk_cost(num_new: int, context: int, parity: int | None) -> int:
+    """Budget a prefill chunk of `num_new` tokens after `context` cached ones takes: each
+    token's attention over the context weighs `context / parity` of a token's other work."""
+    if not parity or not context:
+        return num_new
+    return -(-num_new * (parity + context) // parity)
 
 
 class Scheduler:
@@ -96,28 +117,37 @@ class Scheduler:
         cfg = self.config
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        scheduled: dict[str, int] = {}
+        scheduled: dict[str, int] = {}  # tokens to compute
+        charged: dict[str, int] = {}  # budget they take (`chunk_cost`)
         for req in decodes + prefills:
             if req.status is not RequestStatus.RUNNING or budget <= 0:
                 continue
+            chunked = self._may_chunk(req)
+            remaining = req.num_tokens - req.num_computed_tokens
+            # Only prefill chunks pay for their context; a decode is one token of budget.
+            context = req.num_computed_tokens if chunked and remaining > 1 else 0
             num_new = prefill_chunk(
-                req.num_tokens - req.num_computed_tokens,
+                remaining,
                 budget,
                 cfg.max_prefill_chunk,
-                self._may_chunk(req),
+                chunked,
+                context,
+                cfg.attention_parity_context,
             )
             if num_new == 0:
                 continue
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = pick_victim(self.running)
-                budget += scheduled.pop(victim.request_id, 0)
+                budget += charged.pop(victim.request_id, 0)
+                scheduled.pop(victim.request_id, None)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             else:
                 scheduled[req.request_id] = num_new
-                budget -= num_new
+                charged[req.request_id] = chunk_cost(num_new, context, cfg.attention_parity_context)
+                budget -= charged[req.request_id]
         out.scheduled = [(self.requests[rid], n) for rid, n in scheduled.items()]
         return budget
 
@@ -143,8 +173,15 @@ class Scheduler:
             if len(self.running) + len(admitted) >= cfg.max_num_seqs or budget <= 0:
                 break
             hits, num_hit = self.kv.get_computed_blocks(req)
+            chunked = self._may_chunk(req)
+            context = num_hit if chunked else 0
             num_new = prefill_chunk(
-                req.num_tokens - num_hit, budget, cfg.max_prefill_chunk, self._may_chunk(req)
+                req.num_tokens - num_hit,
+                budget,
+                cfg.max_prefill_chunk,
+                chunked,
+                context,
+                cfg.attention_parity_context,
             )
             # Strict order: the head waits for room rather than being bypassed; only
             # priority (bounded by ageing) lets newer work go first.
@@ -158,7 +195,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             admitted.append(req)
             out.scheduled.append((req, num_new))
-            budget -= num_new
+            budget -= chunk_cost(num_new, context, cfg.attention_parity_context)
         if admitted:
             ids = {id(r) for r in admitted}
             self.waiting = [r for r in self.waiting if id(r) not in ids]

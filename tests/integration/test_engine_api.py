@@ -31,6 +31,18 @@ def run(engine: LLMEngine) -> list:
     return outs
 
 
+def test_chunk_context_is_priced_from_the_model_shape_unless_configured(llama_dir):
+    engine = make_engine(llama_dir)
+    # hidden 64, intermediate 128, 4 heads and 2 KV heads of 16: the linear layers take
+    # 64 * (2 * 64 + 2 * 32) + 3 * 64 * 128 = 36,864 multiply-adds per token, attention
+    # 2 * 64 = 128 per token of context; so 288, of which the engine takes half.
+    assert engine.runner.model_config.attention_parity_context == 288
+    assert engine.scheduler.config.attention_parity_context == 144
+    assert engine.config.scheduler.attention_parity_context is None  # the caller's, untouched
+    configured = make_engine(llama_dir, attention_parity_context=0)
+    assert configured.scheduler.config.attention_parity_context == 0
+
+
 def test_prompt_plus_max_tokens_beyond_context_is_refused(llama_dir):
     engine = make_engine(llama_dir)  # 64 blocks x 4 = 256 tokens of KV, model 512 positions
     with pytest.raises(ContextLengthError) as err:

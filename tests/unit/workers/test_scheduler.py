@@ -17,6 +17,7 @@ from tests.unit.workers.scheduler_factories import (
 )
 from workers.request import FinishReason, RequestStatus
 from workers.scheduler import (
+    chunk_cost,
     effective_priority,
     pick_victim,
     prefill_chunk,
@@ -51,6 +52,20 @@ def test_prefill_chunk_respects_budget_cap_and_chunking(
     remaining: int, budget: int, cap: int | None, chunked: bool, expected: int
 ) -> None:
     assert prefill_chunk(remaining, budget, cap, chunked) == expected
+
+
+def test_context_shortens_a_chunk_but_never_below_one_token() -> None:
+    assert prefill_chunk(100, 32, None, True, context=96, parity=32) == 8
+    assert chunk_cost(8, 96, 32) == 32
+    assert chunk_cost(7, 96, 32) == 28
+    assert chunk_cost(5, 3, 32) == 6  # rounded up: 5 * 35 / 32 = 5.47
+    assert prefill_chunk(100, 2, None, True, context=1000, parity=10) == 1
+    assert prefill_chunk(100, 32, 4, True, context=96, parity=32) == 4  # the cap still holds
+    # No parity, no context or no chunking: tokens only.
+    assert prefill_chunk(100, 32, None, True, context=96, parity=None) == 32
+    assert prefill_chunk(100, 32, None, True, context=0, parity=32) == 32
+    assert chunk_cost(8, 96, None) == 8 and chunk_cost(8, 0, 32) == 8
+    assert prefill_chunk(32, 32, None, False, context=96, parity=32) == 32
 
 
 def test_effective_priority_improves_one_level_per_aging_steps() -> None:
@@ -153,6 +168,68 @@ def test_chunked_prefill_progresses_while_decodes_run_every_step() -> None:
         chunks.extend(n for r, n in out.scheduled if r is long)
     assert chunks == [8] * 5
     assert all(d.num_output_tokens == 6 for d in decoders)
+
+
+def _chunks_of(sched, req) -> list[int]:
+    chunks = []
+    while not req.is_finished:
+        chunks.extend(n for r, n in step(sched).scheduled if r is req)
+    return chunks
+
+
+def test_a_chunk_after_cached_context_pays_for_its_attention_over_it() -> None:
+    sched = make_scheduler(max_num_batched_tokens=64, attention_parity_context=32)
+    long = make_request("long", 200, max_tokens=1)
+    sched.add(long)
+    chunks = _chunks_of(sched, long)
+
+    # The first chunk has no context; each later one is what 1 + context / 32 per token
+    # lets into 64: after 64 tokens, 64 * 32 // 96 = 21; after 85, 64 * 32 // 117 = 17.
+    assert chunks[:3] == [64, 21, 17]
+    assert sum(chunks) == 200
+    context = 0
+    for n in chunks:
+        assert chunk_cost(n, context, 32) <= 64
+        context += n
+    assert chunks == sorted(chunks, reverse=True)
+
+    tokens_only = make_scheduler(max_num_batched_tokens=64, attention_parity_context=0)
+    long = make_request("long", 200, max_tokens=1)
+    tokens_only.add(long)
+    assert _chunks_of(tokens_only, long) == [64, 64, 64, 8]
+
+
+def test_a_decode_takes_one_token_of_budget_whatever_its_context() -> None:
+    sched = make_scheduler(max_num_batched_tokens=10, attention_parity_context=4)
+    decoders = make_requests(2, 4, prefix="d", max_tokens=20)
+    for req in decoders:
+        sched.add(req)
+    for _ in range(12):
+        step(sched)
+    assert all(d.num_computed_tokens == 15 for d in decoders)
+    new = make_request("new", 8, max_tokens=1)
+    sched.add(new)
+    out = step(sched)
+    # Charged 1 + 15 / 4 each, the decodes would have left 0 for `new`, not 8.
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("d0", 1), ("d1", 1), ("new", 8)]
+
+
+def test_a_prefix_hit_is_admitted_at_the_cost_of_its_context() -> None:
+    sched = make_scheduler(max_num_batched_tokens=64, attention_parity_context=32)
+    shared = list(range(1000, 1032))  # 8 full blocks of 4
+    first = make_request("first", prompt=shared + [1, 2, 3, 4])
+    sched.add(first)
+    run_to_completion(sched)
+
+    hit = make_request("hit", prompt=shared + [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16])
+    fresh = make_request("fresh", 40)
+    sched.add(hit)
+    sched.add(fresh)
+    out = step(sched)
+    # `hit` computes its 12 new tokens after 32 cached ones: 12 * (32 + 32) / 32 = 24 of
+    # the budget, so `fresh` gets the other 40.
+    assert hit.num_cached_tokens == 32
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("hit", 12), ("fresh", 40)]
 
 
 def test_without_chunked_prefill_a_prompt_larger_than_the_remaining_budget_waits() -> None:
