@@ -51,7 +51,8 @@ class BlockPool:
         return block_id in self._free
 
     def allocate(self, num_blocks: int) -> list[int] | None:
-        """Take `num_blocks` blocks off the free list (evicting their cached prefix).
+        """Take the first `num_blocks` blocks off the free list (evicting their cached
+        prefix); returned in ascending id order.
 
         Returns None, and changes nothing, when fewer blocks are free.
         """
@@ -63,6 +64,9 @@ class BlockPool:
             self._evict(block_id)
             self._ref[block_id] = 1
             out.append(block_id)
+        # In ascending order: a run of neighbouring blocks (a fresh pool's, or one freed
+        # tail first) comes back in cache order, so attention can read it as one view.
+        out.sort()
         return out
 
     def touch(self, block_ids: Iterable[int]) -> None:

@@ -89,19 +89,25 @@ class KVCacheManager:
         return hits, len(hits) * bs
 
     def allocate_slots(
-        self, request: KVRequest, num_new_tokens: int, computed_blocks: Sequence[int] = ()
+        self,
+        request: KVRequest,
+        num_new_tokens: int,
+        computed_blocks: Sequence[int] = (),
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens of KV; returns the new blocks.
 
         `computed_blocks` are prefix-cache hits from `get_computed_blocks` (new requests
-        only); they are referenced on success. Returns None, changing nothing, when the
-        pool cannot supply the blocks.
+        only); they are referenced on success. `num_lookahead_tokens`: room for that many
+        tokens after these too, taken now (a prompt's later chunks, in one run of blocks).
+        Returns None, changing nothing, when the pool cannot supply the blocks.
         """
         table = self._tables.get(request.request_id)
         is_new = table is None
         if table is None:
             table = []
         num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_tokens += num_lookahead_tokens
         num_needed = self.num_blocks_for(num_tokens + num_new_tokens) - len(table)
         num_needed -= len(computed_blocks)
         # A hit on a free cached block takes that block off the free list.

@@ -24,6 +24,10 @@ class PrefillSeq:
     num_context: int  # tokens already in the cache before this chunk
     # Blocks holding its num_context + num_tokens keys; None when there is no context.
     block_ids: torch.Tensor | None
+    # When those blocks are one run of neighbouring ids (the scheduler takes a prompt's
+    # blocks at once, and the pool hands them out in order), the first: attention reads
+    # the cache through a view instead of gathering a copy of the context every layer.
+    first_block: int | None = None
     # Offset-causal mask, built by the first layer and reused by the others.
     mask: torch.Tensor | None = None
 
@@ -182,17 +186,23 @@ def _prefill_attention(
         .permute(1, 2, 0, 3)
         .reshape(1, num_kv_heads, group * n, head_dim)
     )
-    # A chunk after cached context: its keys are gathered whole blocks at a time (far
-    # faster than per-slot indexing); the tail of the last block lies beyond every
-    # query's position and is masked out below.
+    # A chunk after cached context: its keys are one view of the cache when its blocks
+    # are neighbours, else gathered whole blocks at a time (far faster than per-slot
+    # indexing). The tail of the last block lies beyond every query's position and is
+    # masked out below.
     assert seq.block_ids is not None
-    shape = (num_kv_heads, -1, block_size * head_dim)
-    keys = torch.index_select(k_cache.view(shape), 1, seq.block_ids).view(
-        num_kv_heads, -1, head_dim
-    )
-    values = torch.index_select(v_cache.view(shape), 1, seq.block_ids).view(
-        num_kv_heads, -1, head_dim
-    )
+    if seq.first_block is not None:
+        start = seq.first_block * block_size
+        span = slice(start, start + len(seq.block_ids) * block_size)
+        keys, values = k_cache[:, span], v_cache[:, span]
+    else:
+        shape = (num_kv_heads, -1, block_size * head_dim)
+        keys = torch.index_select(k_cache.view(shape), 1, seq.block_ids).view(
+            num_kv_heads, -1, head_dim
+        )
+        values = torch.index_select(v_cache.view(shape), 1, seq.block_ids).view(
+            num_kv_heads, -1, head_dim
+        )
     total = keys.shape[1]
     if seq.mask is None:
         # Query i (at position num_context + i) sees keys 0 .. num_context + i.

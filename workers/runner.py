@@ -323,11 +323,13 @@ class ModelRunner:
         row = num_decodes
         for req, n in batch[num_decodes:]:
             ctx = req.num_computed_tokens
-            block_ids = None
+            block_ids, first = None, None
             if ctx:
                 table = block_tables[req.request_id][: -(-(ctx + n) // bs)]
                 block_ids = torch.tensor(table, dtype=torch.long, device=dev)
-            meta.prefills.append(PrefillSeq(row, n, ctx, block_ids))
+                if table == list(range(table[0], table[0] + len(table))):
+                    first = table[0]
+            meta.prefills.append(PrefillSeq(row, n, ctx, block_ids, first))
             row += n
         return meta
 

@@ -136,7 +136,9 @@ class Scheduler:
             )
             if num_new == 0:
                 continue
-            while self.kv.allocate_slots(req, num_new) is None:
+            # A prompt's later chunks were reserved with its first (`_lookahead`).
+            lookahead = self._lookahead(req, req.num_computed_tokens + num_new)
+            while self.kv.allocate_slots(req, num_new, (), lookahead) is None:
                 victim = pick_victim(self.running)
                 budget += charged.pop(victim.request_id, 0)
                 scheduled.pop(victim.request_id, None)
@@ -185,7 +187,8 @@ class Scheduler:
             )
             # Strict order: the head waits for room rather than being bypassed; only
             # priority (bounded by ageing) lets newer work go first.
-            if num_new == 0 or self.kv.allocate_slots(req, num_new, hits) is None:
+            lookahead = self._lookahead(req, num_hit + num_new)
+            if num_new == 0 or self.kv.allocate_slots(req, num_new, hits, lookahead) is None:
                 break
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
@@ -200,6 +203,15 @@ class Scheduler:
             ids = {id(r) for r in admitted}
             self.waiting = [r for r in self.waiting if id(r) not in ids]
             self.running.extend(admitted)
+
+    @staticmethod
+    def _lookahead(req: Request, num_after_chunk: int) -> int:
+        """Tokens left to compute once this chunk is (`num_after_chunk` computed; 0 for a
+        decode). Their blocks are taken with the first chunk's, so a prompt's KV is one run
+        of neighbouring blocks wherever the pool has one: attention then reads the context
+        as one view instead of gathering a copy of it for every chunk and layer, and a
+        prompt that started is never preempted for its own growth."""
+        return max(0, req.num_tokens - num_after_chunk)
 
     def _may_chunk(self, req: Request) -> bool:
         # Without chunked prefill, a request longer than a whole step (a preempted one whose

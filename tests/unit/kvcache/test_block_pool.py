@@ -19,9 +19,12 @@ def cache_block(pool: BlockPool, block_id: int, tokens: list[int]) -> bytes:
 
 
 def free_list(pool: BlockPool) -> list[int]:
-    """The free blocks in eviction order, observed by allocating all of them."""
-    order = pool.allocate(pool.num_free_blocks)
-    assert order is not None
+    """The free blocks in eviction order, observed by allocating them one at a time."""
+    order = []
+    while pool.num_free_blocks:
+        got = pool.allocate(1)
+        assert got is not None
+        order += got
     return order
 
 
@@ -31,6 +34,15 @@ def test_allocate_returns_distinct_blocks_with_ref_count_one() -> None:
     assert blocks is not None and len(set(blocks)) == 3
     assert all(pool.ref_count(b) == 1 and not pool.is_free(b) for b in blocks)
     assert (pool.num_free_blocks, pool.num_used_blocks) == (5, 3)
+
+
+def test_a_run_freed_tail_first_comes_back_in_ascending_order() -> None:
+    pool = make_pool(8)
+    run = pool.allocate(4)
+    assert run == [0, 1, 2, 3]  # a fresh pool hands out neighbours
+    pool.allocate(4)
+    pool.free(run)  # tail first: the free list holds 3, 2, 1, 0
+    assert pool.allocate(4) == [0, 1, 2, 3]
 
 
 def test_allocate_more_than_free_returns_none_and_changes_nothing() -> None:

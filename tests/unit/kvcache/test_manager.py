@@ -66,6 +66,25 @@ def test_allocate_slots_grows_the_table_only_at_block_boundaries() -> None:
     assert len(kv.block_table("a")) == 3
 
 
+def test_lookahead_takes_the_later_chunks_blocks_now_in_one_run() -> None:
+    kv = make_kv()
+    other = make_request("other", 4)
+    assert kv.allocate_slots(other, 4) == [0]
+    req = make_request("a", 20)
+    new = kv.allocate_slots(req, 6, num_lookahead_tokens=14)  # 6 now, 14 in later chunks
+    assert new == [1, 2, 3, 4, 5]
+    other.num_computed_tokens = 4
+    assert kv.allocate_slots(other, 4) == [6]  # another request grows between the chunks
+    for done in (6, 12):
+        req.num_computed_tokens = done
+        assert kv.allocate_slots(req, 6 if done == 6 else 8) == []  # already there
+    assert kv.block_table("a") == [1, 2, 3, 4, 5]
+    # All or nothing: a lookahead the pool cannot hold takes nothing.
+    big = make_request("big", 60)
+    assert kv.allocate_slots(big, 4, num_lookahead_tokens=56) is None
+    assert kv.block_table("big") == [] and kv.num_free_blocks == 9
+
+
 def test_prompt_of_exact_full_blocks_hits_all_but_the_last_block() -> None:
     kv = make_kv()
     prefill(kv, make_request("a", 3 * BLOCK_SIZE))

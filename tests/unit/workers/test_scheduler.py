@@ -232,6 +232,37 @@ def test_a_prefix_hit_is_admitted_at_the_cost_of_its_context() -> None:
     assert [(r.request_id, n) for r, n in out.scheduled] == [("hit", 12), ("fresh", 40)]
 
 
+def test_a_chunked_prompt_takes_all_its_blocks_with_its_first_chunk_as_one_run() -> None:
+    sched = make_scheduler(max_num_batched_tokens=10, num_blocks=64)
+    decoders = make_requests(2, 4, prefix="d", max_tokens=40)
+    for req in decoders:
+        sched.add(req)
+    step(sched)
+    long = make_request("long", 40, max_tokens=1)
+    sched.add(long)
+    step(sched)
+    assert long.num_computed_tokens == 8
+    table = sched.kv.block_table("long")
+    assert table == list(range(table[0], table[0] + 10))  # all 40 tokens, neighbours
+    while not long.is_finished:  # the decoders grow into new blocks meanwhile
+        step(sched)
+        assert sched.kv.block_table("long")[:10] == table or long.is_finished
+
+
+def test_a_chunked_prompt_whose_blocks_do_not_all_fit_waits_rather_than_starting() -> None:
+    sched = make_scheduler(max_num_batched_tokens=8, num_blocks=8)
+    holder = make_request("holder", 16, max_tokens=20)  # 4 blocks, then a 5th
+    sched.add(holder)
+    step(sched)
+    step(sched)
+    assert holder.num_output_tokens == 1 and sched.kv.num_free_blocks == 4
+    long = make_request("long", 20, max_tokens=1)  # 5 blocks: one more than is free
+    sched.add(long)
+    out = step(sched)
+    assert scheduled_ids(out) == ["holder"] and long.num_computed_tokens == 0
+    assert sched.kv.block_table("long") == [] and sched.num_waiting == 1
+
+
 def test_without_chunked_prefill_a_prompt_larger_than_the_remaining_budget_waits() -> None:
     sched = make_scheduler(max_num_batched_tokens=16, enable_chunked_prefill=False)
     decoder = make_request("d", 4, max_tokens=3)
@@ -310,15 +341,15 @@ def test_preempting_an_already_scheduled_victim_returns_its_tokens_to_the_budget
     sched = make_scheduler(num_blocks=4, max_num_batched_tokens=4)
     low = make_request("low", 1, max_tokens=12, priority=1)
     sched.add(low)
-    for _ in range(3):
-        step(sched)
+    step(sched)
     grower = make_request("grower", 3, max_tokens=12)
     long = make_request("long", 5, max_tokens=12)
     sched.add(grower)
     sched.add(long)
     step(sched)
-    step(sched)
+    step(sched)  # `long` takes its first 2 tokens, and the blocks of all 5
     assert sched.kv.num_free_blocks == 0
+    assert long.num_computed_tokens == 2 and len(sched.kv.block_table("long")) == 2
 
     # `low` decodes first, then `grower` needs a block and preempts it: low's token goes
     # back to the budget, so `long` gets 3 tokens, not 2.
