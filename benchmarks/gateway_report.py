@@ -281,8 +281,10 @@ def _cpu_saturated_markdown(f: dict[str, Any] | None) -> list[str]:
     return [
         head,
         "A heavy tenant from wrk (64 connections, plain requests back to back, more than one "
-        "gateway process relays) and a light tenant at 16 streams/s. The door "
-        "(gateway/door.py) refuses the tenant over its share while the event loop lags.\n",
+        "gateway process relays) and a light tenant at 16 streams/s, on the same machine as "
+        "the gateway, the fake backend and Redis. The door (gateway/door.py) holds the "
+        "tenant over its share to fewer requests in flight while the light tenant's latency "
+        "to its reservation is over the gateway's floor; the rest wait in their lane.\n",
         markdown_table(
             [{"who": k, **v} for k, v in f.items() if k != "heavy"],
             [
@@ -294,7 +296,8 @@ def _cpu_saturated_markdown(f: dict[str, Any] | None) -> list[str]:
             ],
         ),
         f"\nHeavy tenant: {h['requests']:,} requests, {h['refused_or_failed']:,} refused (429 "
-        f"at the door) or failed, {h['served_per_s']:.0f} served/s.",
+        f"at the door) or failed, {h['served_per_s']:.0f} served/s while the light tenant "
+        "ran (the price of its latency on this machine).",
         f"\nLight tenant p99 TTFT with the heavy one {fr:.2f}x its solo value (target <= 1.5x).",
     ]
 

@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.admin import admin_router
 from gateway.context import Gateway
 from gateway.dashboard import dashboard_routes
-from gateway.door import Door, LoopMonitor, door_middleware
+from gateway.door import Gate, LoopMonitor, door_middleware
 from gateway.errors import exception_handlers
 from gateway.intake import authenticate
 from gateway.learning_api import learning_routes
@@ -122,19 +122,34 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
     )
 
 
-def _door(gw: Gateway) -> tuple[LoopMonitor | None, list]:
-    """The door (gateway/door.py) as a middleware, and the loop monitor it reads; none
-    when `door_lag_threshold_s` is None."""
-    threshold_s = gw.config.door_lag_threshold_s
-    if threshold_s is None:
-        return None, []
-    metrics = gw.metrics
-    monitor = LoopMonitor(on_tick=metrics.loop_lag.set if metrics is not None else None)
-    door = Door(
-        lambda: monitor.lag_s > threshold_s,
-        gw.config.door_window_s,
-        min_rate_per_s=gw.config.door_min_rate_per_s,
+def _door(gw: Gateway) -> tuple[LoopMonitor, list]:
+    """The door (gateway/door.py) as a middleware (none when `door` is off), and the loop
+    monitor that ticks its gate and exports the loop's lag."""
+    cfg, metrics = gw.config, gw.metrics
+    gate = (
+        Gate(
+            tolerance_s=cfg.door_tolerance_s,
+            lane_max=cfg.door_lane_max,
+            max_wait_s=cfg.door_max_wait_s,
+            window_s=cfg.door_window_s,
+        )
+        if cfg.door
+        else None
     )
+    gw.gate = gate
+
+    def on_tick(lag_s: float) -> None:
+        if metrics is not None:
+            metrics.loop_lag.set(lag_s)
+        if gate is not None:
+            gate.tick()
+            if metrics is not None:
+                metrics.door_limit.set(gate.limit)
+                metrics.door_waiting.set(gate.waiting)
+
+    monitor = LoopMonitor(on_tick=on_tick)
+    if gate is None:
+        return monitor, []
 
     def tenant_of(digest: bytes) -> str | None:
         known = gw.known_keys.get(digest)
@@ -147,11 +162,11 @@ def _door(gw: Gateway) -> tuple[LoopMonitor | None, list]:
     def middleware(app):  # noqa: ANN001, ANN202 (ASGI)
         return door_middleware(
             app,
-            door,
+            gate,
             tenant_of,
             on_refusal=refused,
             rng=gw.rng,
-            refusal_delay_s=gw.config.door_refusal_delay_s,
+            refusal_delay_s=cfg.door_refusal_delay_s,
         )
 
     return monitor, [middleware]

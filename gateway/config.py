@@ -28,12 +28,16 @@ class GatewayConfig:
     # request's deadline. Set it near the unloaded TTFT to keep accepted requests prompt.
     queue_max_wait_s: float | None = None
     queue_reserve_fraction: float = 0.125  # slots kept for tenants under their fair share
-    # The door (gateway/door.py): while the event loop lags more than this, a tenant over
-    # its share of the requests admitted in the last door_window_s is refused at once (429
-    # gateway_busy). None: no door.
-    door_lag_threshold_s: float | None = 0.01
+    # The door (gateway/door.py): with several tenants active, those over their share of
+    # the last door_window_s's admissions are held to a number of requests in flight that
+    # halves while the others' latency (arrival to reservation) is door_tolerance_s over
+    # the gateway's floor; the rest wait in their tenant's lane, refused (429
+    # gateway_busy) past door_max_wait_s or door_lane_max waiting. False: no door.
+    door: bool = True
     door_window_s: float = 1.0
-    door_min_rate_per_s: float = 100.0  # below this admission rate the door refuses nobody
+    door_tolerance_s: float = 0.001
+    door_max_wait_s: float = 2.0
+    door_lane_max: int = 1024  # waiting requests per tenant, per process
     door_refusal_delay_s: float = 0.25  # a door refusal is held this long (a tarpit)
     queue_max_tokens: int = 262144
     queue_quantum_tokens: int = 256  # DRR credit per tenant visit (gateway/admission.py)

@@ -41,6 +41,7 @@ class Gateway:
     router: "Router | None" = None  # the cascade, for `model: auto`
     usage: "UsageReader | None" = None  # usage history (None: only the current windows)
     learner: Any = None  # gateway.shadow.Learner: labels from traffic (None: not collected)
+    gate: Any = None  # gateway.door.Gate: fed each request's latency to its reservation
     # Per pool, what a fleet supervisor in this process knows (replicas, the autoscaler's
     # last decision), merged into GET /admin/fleet; None: the pools are static URL lists.
     fleet_status: "Callable[[], dict[str, Any]] | None" = None

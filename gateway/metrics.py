@@ -179,15 +179,25 @@ class GatewayMetrics:
         )
         self.door_refusals = Counter(
             P + "door_refusals",
-            "Requests refused at the door (429 gateway_busy): the gateway's event loop was "
-            "saturated and the tenant over its share of it (gateway/door.py).",
+            "Requests refused at the door (429 gateway_busy): the tenant was over its share "
+            "and waited door_max_wait_s, or its lane was full (gateway/door.py).",
             ["tenant"],
+            registry=registry,
+        )
+        self.door_limit = Gauge(
+            P + "door_limit",
+            "Requests the tenants over their share may have in flight in this process, "
+            "adapted to the other tenants' latency (gateway/door.py).",
+            registry=registry,
+        )
+        self.door_waiting = Gauge(
+            P + "door_waiting",
+            "Requests of over-share tenants waiting in their lanes at the door.",
             registry=registry,
         )
         self.loop_lag = Gauge(
             P + "event_loop_lag_seconds",
-            "How late a 20 ms timer fires on this process's event loop (smoothed): over "
-            "door_lag_threshold_s the gateway counts as saturated.",
+            "How late a 20 ms timer fires on this process's event loop (smoothed).",
             registry=registry,
         )
 

@@ -142,6 +142,8 @@ async def _handle(
         gw.metrics.overhead.labels(plan.pool).observe(now - arrived)
         if not reservation.checked:
             gw.metrics.redis_errors.labels("reserve").inc()
+    if gw.gate is not None:
+        gw.gate.observe(tenant.tenant_id, time.perf_counter() - arrived)
     headers = {
         "x-request-id": plan.request_id,
         "x-switchyard-model": plan.pool,

@@ -79,10 +79,10 @@ def gateway_stack(redis_url: str, replicas: dict[str, int] | None = None, **conf
                 backends[name] = FakeBackend(name=name)
                 urls[name] = stack.enter_context(serving(backends[name]))
                 pools[pool].append(urls[name])
-        # The door (gateway/door.py) judges saturation by the event loop's lag, which a
-        # test process (gateway, backends and clients sharing one GIL) has for other
-        # reasons; it has tests of its own, so here it is off unless a test turns it on.
-        config.setdefault("door_lag_threshold_s", None)
+        # The door (gateway/door.py) holds over-share tenants by the others' latency,
+        # which a test process (gateway, backends and clients sharing one GIL) has for
+        # other reasons; it has tests of its own, so here it is off unless a test asks.
+        config.setdefault("door", False)
         cfg = GatewayConfig(
             pools=pools,
             data_dir=stack.enter_context(tempfile.TemporaryDirectory(prefix="sy-gw-")),

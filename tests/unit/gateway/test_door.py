@@ -1,10 +1,11 @@
-"""The door: per-tenant shares of a saturated gateway (pure, fake clock), and the loop
-monitor that says when it is saturated (a real event loop, blocked on purpose)."""
+"""The door: shares of admissions (pure, fake clock), the gate that holds the tenants over
+their share by the others' latency (one event loop, fake clock, ticks driven by hand), and
+the loop monitor (a real event loop, blocked on purpose)."""
 
 import asyncio
 import time
 
-from gateway.door import Door, LoopMonitor
+from gateway.door import Gate, LoopMonitor, Shares
 
 
 class Clock:
@@ -15,66 +16,174 @@ class Clock:
         return self.now
 
 
-def make_door(saturated: bool = True, window_s: float = 1.0, min_rate: float = 0.0):  # noqa: ANN201
+# -- shares -----------------------------------------------------------------------------
+
+
+def test_one_tenant_alone_is_never_over_its_share() -> None:
+    shares = Shares(1.0, Clock())
+    for _ in range(100):
+        shares.count("heavy")
+    assert shares.share() is None and not shares.over_share("heavy")
+
+
+def test_the_tenant_admitted_more_than_an_equal_share_is_over_it() -> None:
+    shares = Shares(1.0, Clock())
+    for _ in range(9):
+        shares.count("heavy")
+    shares.count("light")
+    assert shares.share() == 5.0
+    assert shares.over_share("heavy") and not shares.over_share("light")
+
+
+def test_a_tenant_that_only_asked_is_active_and_splits_the_share() -> None:
+    shares = Shares(1.0, Clock())
+    for _ in range(4):
+        shares.count("heavy")
+    assert not shares.over_share("heavy")
+    shares.asked("light")
+    assert shares.active_tenants() == 2 and shares.over_share("heavy")
+
+
+def test_admissions_and_idle_tenants_leave_with_the_window() -> None:
     clock = Clock()
-    state = {"saturated": saturated}
-    door = Door(lambda: state["saturated"], window_s, clock, min_rate_per_s=min_rate)
-    return door, clock, state
-
-
-def test_one_tenant_alone_is_never_refused_even_saturated() -> None:
-    door, _, _ = make_door()
-    assert all(door.admit("heavy") for _ in range(1000))
-
-
-def test_with_spare_cpu_nobody_is_refused() -> None:
-    door, _, _ = make_door(saturated=False)
-    assert all(door.admit("heavy") for _ in range(100))
-    assert door.admit("light")
-    assert all(door.admit("heavy") for _ in range(100))
-
-
-def test_saturated_the_tenant_over_its_share_is_refused_and_the_light_one_passes() -> None:
-    door, clock, _ = make_door()
-    for _ in range(90):
-        assert door.admit("heavy")
-        clock.now += 0.001
-    assert door.admit("light")
-    # 91 admitted in the window, 2 tenants: a share is 45.5; heavy has 90.
-    assert not door.admit("heavy")
-    assert all(door.admit("light") for _ in range(40))
-    assert not door.admit("heavy")
-
-
-def test_refusals_do_not_count_so_the_shares_even_out_as_the_window_moves() -> None:
-    door, clock, _ = make_door(window_s=1.0)
-    admitted = {"heavy": 0, "light": 0}
-    for step in range(4000):  # 4 s: heavy asks 9 times for each ask of light
-        clock.now = step * 0.001
-        tenant = "light" if step % 10 == 0 else "heavy"
-        admitted[tenant] += door.admit(tenant)
-    assert admitted["light"] == 400  # never refused: never over its share
-    assert admitted["light"] <= admitted["heavy"] <= admitted["light"] + 20
-
-
-def test_a_tenant_idle_for_the_window_no_longer_splits_the_share() -> None:
-    door, clock, _ = make_door(window_s=1.0)
-    door.admit("light")
+    shares = Shares(1.0, clock)
+    shares.count("light")
     for _ in range(10):
-        door.admit("heavy")
-    assert door.active_tenants() == 2
+        shares.count("heavy")
+    assert shares.over_share("heavy")
     clock.now = 1.5
-    assert door.active_tenants() == 0
-    assert all(door.admit("heavy") for _ in range(50))  # alone again
+    assert shares.active_tenants() == 0 and shares.share() is None
+    shares.count("heavy")
+    assert not shares.over_share("heavy")  # alone again
 
 
-def test_below_the_minimum_rate_the_lag_is_not_the_requests_doing() -> None:
-    door, clock, _ = make_door(window_s=1.0, min_rate=100.0)
-    for _ in range(50):
-        assert door.admit("heavy")
-    assert door.admit("light")
-    assert all(door.admit("heavy") for _ in range(49))  # 100 admitted: under 100/s
-    assert not door.admit("heavy")
+# -- the gate ---------------------------------------------------------------------------
+
+
+def make_gate(**kw) -> tuple[Gate, Clock]:  # noqa: ANN003
+    clock = Clock()
+    kw.setdefault("tolerance_s", 0.001)
+    return Gate(clock=clock, window_s=10.0, **kw), clock
+
+
+def flood_then_light(gate: Gate) -> None:
+    """heavy admitted 9 times and light once: heavy is over its share."""
+    for _ in range(9):
+        gate.shares.count("heavy")
+    gate.shares.count("light")
+
+
+async def settle() -> None:
+    """Let the woken `enter` calls return (a few loop turns through wait_for)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def suffer(gate: Gate, ticks: int = 1) -> None:
+    """The light tenant's latency well over the floor, for `ticks` ticks."""
+    gate.observe("light", 0.001)  # the floor
+    for _ in range(ticks):
+        gate.observe("light", 0.050)
+        gate.tick()
+
+
+def test_a_tenant_alone_is_never_held_however_the_latency() -> None:
+    async def main() -> None:
+        gate, _ = make_gate()
+        gate.observe("heavy", 0.001)
+        gate.observe("heavy", 0.5)
+        gate.tick()
+        assert all([await gate.enter("heavy") for _ in range(200)])
+        assert gate.in_flight == {"heavy": 200} and gate.waiting == 0
+
+    asyncio.run(main())
+
+
+def test_while_the_light_tenant_suffers_the_limit_halves_and_the_flood_waits_in_its_lane() -> None:
+    async def main() -> None:
+        gate, _ = make_gate()
+        flood_then_light(gate)
+        for _ in range(8):
+            assert await gate.enter("heavy")  # the limit starts high
+        suffer(gate)
+        assert gate.limit == 4.0  # half of what heavy has in flight
+        waiting = [asyncio.ensure_future(gate.enter("heavy")) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert gate.waiting == 3 and not any(w.done() for w in waiting)
+        assert await gate.enter("light")  # under its share: straight in
+        for _ in range(5):
+            gate.leave("heavy")  # 8 -> 3 in flight: one place under the limit of 4
+        await settle()
+        assert [w.done() for w in waiting] == [True, False, False]
+        assert gate.in_flight == {"heavy": 4, "light": 1}
+        for w in waiting[1:]:
+            w.cancel()
+
+    asyncio.run(main())
+
+
+def test_the_limit_grows_back_once_the_latency_is_within_tolerance() -> None:
+    async def main() -> None:
+        gate, _ = make_gate()
+        flood_then_light(gate)
+        for _ in range(4):
+            assert await gate.enter("heavy")
+        suffer(gate, ticks=3)
+        assert gate.limit == 1.0  # 4 -> 2 -> 1, never below 1
+        waiter = asyncio.ensure_future(gate.enter("heavy"))
+        await asyncio.sleep(0)
+        for _ in range(20):
+            gate.observe("light", 0.0015)  # within floor + 1 ms
+        for _ in range(4):
+            gate.tick()
+        assert gate.limit == 5.0  # +1 a tick while someone waits
+        await settle()
+        assert waiter.done() and waiter.result() is True
+
+    asyncio.run(main())
+
+
+def test_lanes_are_served_round_robin() -> None:
+    async def main() -> None:
+        gate, _ = make_gate()
+        for tenant in ("a", "b"):
+            for _ in range(9):
+                gate.shares.count(tenant)
+        gate.shares.count("light")
+        assert await gate.enter("a")
+        suffer(gate)
+        assert gate.limit == 1.0
+        order: list[str] = []
+
+        async def one(tenant: str) -> None:
+            assert await gate.enter(tenant)
+            order.append(tenant)
+
+        tasks = [asyncio.ensure_future(one(t)) for t in ("a", "a", "a", "b", "b")]
+        await asyncio.sleep(0)
+        for _ in range(5):
+            gate.leave(order[-1] if order else "a")
+            await settle()
+        await asyncio.gather(*tasks)
+        assert order == ["a", "b", "a", "b", "a"]
+
+    asyncio.run(main())
+
+
+def test_a_request_that_waits_too_long_or_finds_its_lane_full_is_refused() -> None:
+    async def main() -> None:
+        gate, _ = make_gate(max_wait_s=0.05, lane_max=2)
+        flood_then_light(gate)
+        assert await gate.enter("heavy")
+        suffer(gate)
+        assert gate.limit == 1.0
+        waiting = [asyncio.ensure_future(gate.enter("heavy")) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert await gate.enter("heavy") is False  # the lane holds 2
+        assert await asyncio.gather(*waiting) == [False, False]  # waited 50 ms
+        assert gate.waiting == 0 and gate.in_flight == {"heavy": 1}  # nothing leaked
+
+    asyncio.run(main())
 
 
 def test_the_loop_monitor_sees_a_blocked_loop() -> None:
