@@ -104,22 +104,23 @@ def run_engine_bench(opts: BenchOptions) -> dict:
                 (f"hf_generate/{dtype}", {**base, "hf_sample": opts.hf_sample}),
                 (f"hf_generate_batch/{dtype}", base),
             ]
+        # Decode steps at these batch sizes, each sequence ~decode_context tokens in.
+        steps = {
+            "ckpt": str(ckpt),
+            "dtype": dtype,
+            "decode_batches": [1, 16, 64],
+            "decode_context": 64 if opts.quick else 256,
+        }
         if "decode" in opts.scenarios:
             decode_spec = {
-                "ckpt": str(ckpt),
-                "dtype": dtype,
-                "decode_batches": [1, 16, 64],
-                "decode_context": 64 if opts.quick else 256,
+                **steps,
                 "decode_steps": 8 if opts.quick else 24,
                 "prefill_tokens": 256 if opts.quick else 2048,
             }
             jobs.append((f"decode/{dtype}", decode_spec))
         if "levers" in opts.scenarios:
             levers_spec = {
-                "ckpt": str(ckpt),
-                "dtype": dtype,
-                "batches": [1, 16, 64],
-                "decode_context": 64 if opts.quick else 256,
+                **steps,
                 "rounds": 2 if opts.quick else 6,
                 "steps_per_round": 3 if opts.quick else 5,
             }

@@ -92,7 +92,7 @@ def run_levers(spec: dict) -> dict:
     return {
         "dtype": spec["dtype"],
         "decode_context": spec["decode_context"],
-        "points": [_levers_point(spec, b) for b in spec["batches"]],
+        "points": [_levers_point(spec, b) for b in spec["decode_batches"]],
     }
 
 

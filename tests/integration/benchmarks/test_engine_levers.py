@@ -11,7 +11,7 @@ def test_every_configuration_is_timed_and_reported(llama_dir):
     spec = {
         "ckpt": str(llama_dir),
         "dtype": "float32",
-        "batches": [3],
+        "decode_batches": [3],
         "decode_context": 12,
         "rounds": 1,
         "steps_per_round": 2,
