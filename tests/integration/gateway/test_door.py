@@ -3,19 +3,12 @@ tolerance), it holds the tenant over its share to one request in flight, lets th
 tenant past its lane, refuses a request that waited too long with a 429 before any
 per-request work (it never reaches a worker), and counts the refusal."""
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from tests.integration.gateway.conftest import gateway_stack
+from tests.support.waiting import eventually
 
 BODY = {"model": "small", "prompt": [5, 6, 7, 8], "max_tokens": 2}
-
-
-def _wait_for(condition, timeout_s: float = 10.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.01)
 
 
 def test_the_door_holds_the_flood_in_its_lane_and_lets_the_light_tenant_past(redis_url):
@@ -37,7 +30,7 @@ def test_the_door_holds_the_flood_in_its_lane_and_lets_the_light_tenant_past(red
                 assert h.post("/v1/completions", json=BODY).status_code == 200
             for _ in range(2):
                 assert lt.post("/v1/completions", json=BODY).status_code == 200
-            _wait_for(lambda: gate.limit == 1.0)
+            assert eventually(lambda: gate.limit == 1.0)
             backend.token_delay_s = 0.25  # 2 tokens: each request holds its place 0.5 s
             served_before = backend.total
 
@@ -47,7 +40,7 @@ def test_the_door_holds_the_flood_in_its_lane_and_lets_the_light_tenant_past(red
 
             with ThreadPoolExecutor(4) as pool:
                 floods = [pool.submit(heavy_one, i) for i in range(4)]
-                _wait_for(lambda: gate.waiting == 3)  # one in flight, three in the lane
+                assert eventually(lambda: gate.waiting == 3)  # one in flight, three in the lane
                 r = lt.post("/v1/completions", json={**BODY, "user": "light"})
                 assert r.status_code == 200
                 answers = [f.result() for f in floods]

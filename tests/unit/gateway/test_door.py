@@ -73,10 +73,13 @@ def flood_then_light(gate: Gate) -> None:
     gate.shares.count("light")
 
 
-async def settle() -> None:
-    """Let the woken `enter` calls return (a few loop turns through wait_for)."""
-    for _ in range(5):
+async def until(condition) -> None:  # noqa: ANN001
+    """Yield to the event loop until `condition()` holds (no clock: loop turns only)."""
+    for _ in range(100):
+        if condition():
+            return
         await asyncio.sleep(0)
+    raise AssertionError("condition never held")
 
 
 def suffer(gate: Gate, ticks: int = 1) -> None:
@@ -108,14 +111,14 @@ def test_while_the_light_tenant_suffers_the_limit_halves_and_the_flood_waits_in_
         suffer(gate)
         assert gate.limit == 4.0  # half of what heavy has in flight
         waiting = [asyncio.ensure_future(gate.enter("heavy")) for _ in range(3)]
-        await asyncio.sleep(0)
-        assert gate.waiting == 3 and not any(w.done() for w in waiting)
+        await until(lambda: gate.waiting == 3)
+        assert not any(w.done() for w in waiting)
         assert await gate.enter("light")  # under its share: straight in
         for _ in range(5):
             gate.leave("heavy")  # 8 -> 3 in flight: one place under the limit of 4
-        await settle()
-        assert [w.done() for w in waiting] == [True, False, False]
-        assert gate.in_flight == {"heavy": 4, "light": 1}
+        assert gate.waiting == 2 and gate.in_flight == {"heavy": 4, "light": 1}
+        await until(lambda: waiting[0].done())
+        assert waiting[0].result() is True and not any(w.done() for w in waiting[1:])
         for w in waiting[1:]:
             w.cancel()
 
@@ -131,14 +134,14 @@ def test_the_limit_grows_back_once_the_latency_is_within_tolerance() -> None:
         suffer(gate, ticks=3)
         assert gate.limit == 1.0  # 4 -> 2 -> 1, never below 1
         waiter = asyncio.ensure_future(gate.enter("heavy"))
-        await asyncio.sleep(0)
+        await until(lambda: gate.waiting == 1)
         for _ in range(20):
             gate.observe("light", 0.0015)  # within floor + 1 ms
         for _ in range(4):
             gate.tick()
         assert gate.limit == 5.0  # +1 a tick while someone waits
-        await settle()
-        assert waiter.done() and waiter.result() is True
+        await until(waiter.done)
+        assert waiter.result() is True
 
     asyncio.run(main())
 
@@ -160,10 +163,10 @@ def test_lanes_are_served_round_robin() -> None:
             order.append(tenant)
 
         tasks = [asyncio.ensure_future(one(t)) for t in ("a", "a", "a", "b", "b")]
-        await asyncio.sleep(0)
-        for _ in range(5):
-            gate.leave(order[-1] if order else "a")
-            await settle()
+        await until(lambda: gate.waiting == 5)
+        for served in range(5):
+            gate.leave(order[-1] if order else "a")  # the one in flight leaves
+            await until(lambda n=served: len(order) == n + 1)
         await asyncio.gather(*tasks)
         assert order == ["a", "b", "a", "b", "a"]
 
@@ -178,7 +181,7 @@ def test_a_request_that_waits_too_long_or_finds_its_lane_full_is_refused() -> No
         suffer(gate)
         assert gate.limit == 1.0
         waiting = [asyncio.ensure_future(gate.enter("heavy")) for _ in range(2)]
-        await asyncio.sleep(0)
+        await until(lambda: gate.waiting == 2)
         assert await gate.enter("heavy") is False  # the lane holds 2
         assert await asyncio.gather(*waiting) == [False, False]  # waited 50 ms
         assert gate.waiting == 0 and gate.in_flight == {"heavy": 1}  # nothing leaked
