@@ -163,7 +163,7 @@ class Gate:
         self.tolerance_s, self.floor_window_s = tolerance_s, floor_window_s
         self.max_limit = max_limit
         self.limit = float(max_limit)
-        self.lane_max, self.max_wait_s, self.window_s = lane_max, max_wait_s, window_s
+        self.lane_max, self.max_wait_s = lane_max, max_wait_s
         self._clock = clock
         self.in_flight: dict[str, int] = {}
         self._lanes: dict[str, deque[asyncio.Future[bool]]] = {}  # tenants with waiters
@@ -233,7 +233,7 @@ class Gate:
 
     def tick(self) -> None:
         """Adapt the limit (the loop monitor's period), then let waiters in."""
-        recent = self._clock() - self._last_sample < self.window_s
+        recent = self._clock() - self._last_sample < self.shares.window_s
         mean = self._mean
         if recent and mean is not None and mean > self._floor[0][1] + self.tolerance_s:
             self.limit = max(1.0, min(self.limit, self.over_in_flight()) / 2)

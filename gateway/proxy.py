@@ -136,14 +136,14 @@ async def _handle(
             gw.reconcile_later(reservation, 0)
             raise
         state = key_state if key_state.limit_tokens is not None else state
+    reserved = time.perf_counter()
     if gw.metrics is not None:
-        now = time.perf_counter()
-        gw.metrics.redis_latency.labels("reserve").observe(now - t_reserve)
-        gw.metrics.overhead.labels(plan.pool).observe(now - arrived)
+        gw.metrics.redis_latency.labels("reserve").observe(reserved - t_reserve)
+        gw.metrics.overhead.labels(plan.pool).observe(reserved - arrived)
         if not reservation.checked:
             gw.metrics.redis_errors.labels("reserve").inc()
     if gw.gate is not None:
-        gw.gate.observe(tenant.tenant_id, time.perf_counter() - arrived)
+        gw.gate.observe(tenant.tenant_id, reserved - arrived)
     headers = {
         "x-request-id": plan.request_id,
         "x-switchyard-model": plan.pool,

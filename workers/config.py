@@ -16,8 +16,9 @@ class SchedulerConfig:
     # attention takes as long as its linear layers. None = half the length at which their
     # multiply-adds are equal (`ModelConfig.attention_parity_context`), because attention
     # over a chunk's few queries runs at about half the linear layers' rate (CPU, bench
-    # model, one step trace: a chunk token after L tokens of context cost about
-    # 1 + L / 1,100 tokens' time, against 1 + L / 2,880 by multiply-adds). 0 = tokens only.
+    # model, a least-squares fit over 342 chunk steps: a chunk token after L tokens of
+    # context cost 1 + L / 1,580 tokens' time once the context's gather was counted apart,
+    # against 1 + L / 2,880 by multiply-adds). 0 = tokens only.
     attention_parity_context: int | None = None
     enable_chunked_prefill: bool = True  # False: a prompt is prefilled in one step or waits
     aging_steps: int = 64  # a waiting request gains one priority level per this many steps
