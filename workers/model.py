@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from workers.attention import AttentionMetadata, paged_attention, write_kv
 from workers.model_config import ModelConfig
+from workers.sampler import argmax_rows
 
 
 @dataclass
@@ -165,7 +166,8 @@ class ShardOps(Protocol):
 
 
 class FusedOps(Protocol):
-    """`workers.native.fused_ops()`: the per-layer small ops, one pass each."""
+    """`workers.native.fused_ops()`: the per-layer small ops, one pass each, the paged
+    cache's write and the greedy argmax."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -178,6 +180,17 @@ class FusedOps(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None: ...
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor: ...
 
 
 class TorchOps:
@@ -201,6 +214,12 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def write_kv(self, k_cache, v_cache, k, v, slots) -> None:
+        write_kv(k_cache, v_cache, k, v, slots)
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        return argmax_rows(logits)
+
 
 class NativeOps(TorchOps):
     """The same ops, each one pass of our C++ (`workers/native/fused_ops.cpp`): a decode
@@ -222,6 +241,12 @@ class NativeOps(TorchOps):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.fused.silu_mul(gate_up)
+
+    def write_kv(self, k_cache, v_cache, k, v, slots) -> None:
+        self.fused.write_kv(k_cache, v_cache, k, v, slots)
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.fused.argmax_rows(logits)
 
 
 class CausalLM:
@@ -280,7 +305,7 @@ class CausalLM:
                 q = rms_norm(q, layer.q_norm, eps)
                 k = rms_norm(k, layer.k_norm, eps)
             q, k = ops.rope(q, k, cos, sin)
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             attn = paged_attention(q, k, v, i, k_cache, v_cache, meta, block_size, self.scale)
             o = linear(attn, layer.o, None)
             h, x = ops.add_norm(h, o if tp is None else tp.all_reduce(o), layer.post_norm)

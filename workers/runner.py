@@ -232,7 +232,7 @@ class ModelRunner:
             if req.params.seed is not None and req.generator is None:
                 req.generator = torch.Generator(device=dev).manual_seed(req.params.seed)
         sb = make_sampling_batch(samplers, dev)
-        tokens = sample(logits, sb)
+        tokens = sample(logits, sb, self.model.ops.argmax_rows)
         token_list = tokens.tolist()
         out = {}
         if sb.max_logprobs is not None:

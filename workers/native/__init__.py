@@ -107,7 +107,7 @@ def _kernel(name: str):
 
 def fused_ops():
     """The module of fused per-layer ops (`fused_ops.cpp`: rms_norm, add_rms_norm_, rope,
-    silu_mul), or None."""
+    silu_mul, write_kv, argmax_rows), or None."""
     return _kernel("fused_ops")
 
 

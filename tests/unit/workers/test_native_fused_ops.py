@@ -89,3 +89,53 @@ def test_refuses_what_it_cannot_read(ops):
         fused.rms_norm(x.t(), torch.ones(4), EPS)
     with pytest.raises(RuntimeError, match="residual"):
         fused.add_rms_norm_(x, torch.randn(3, 8), torch.ones(8), EPS)
+
+
+@DTYPES
+@pytest.mark.parametrize("tokens", [1, 64, 300])
+def test_write_kv_stores_each_row_in_its_slot(ops, dtype, tokens):
+    native_ops, torch_ops = ops
+    gen = torch.Generator().manual_seed(tokens)
+    heads, dim, num_slots = 4, 64, 512
+    # k and v as the model has them: views of one fused qkv row, strided by token.
+    qkv = torch.randn(tokens, 8 * dim + 2 * heads * dim, generator=gen).to(dtype)
+    _, k, v = qkv.split([8 * dim, heads * dim, heads * dim], dim=-1)
+    k, v = k.view(tokens, heads, dim), v.view(tokens, heads, dim)
+    slots = torch.randperm(num_slots, generator=gen)[:tokens]
+    caches = [torch.randn(heads, num_slots, dim, generator=gen).to(dtype) for _ in range(2)]
+    got = [c.clone() for c in caches]
+    want = [c.clone() for c in caches]
+    native_ops.write_kv(*got, k, v, slots)
+    torch_ops.write_kv(*want, k, v, slots)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_write_kv_refuses_a_slot_outside_the_cache(ops):
+    native_ops, _ = ops
+    cache = torch.zeros(2, 16, 8)
+    k = torch.ones(1, 2, 8)
+    for slot in (16, -1):
+        with pytest.raises(RuntimeError, match="out of range"):
+            native_ops.write_kv(cache, cache.clone(), k, k, torch.tensor([slot]))
+    assert not cache.any()
+
+
+@pytest.mark.parametrize("vocab", [1, 17, 8192, 151_936])
+def test_argmax_rows_matches_torch(ops, vocab):
+    native_ops, torch_ops = ops
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(33, vocab, generator=gen) * 5
+    # Ties (the first wins), a NaN (torch answers its index), rows of -inf, a maximum in
+    # the last (unvectorised) columns, and -0.0 against 0.0.
+    logits[1] = 2.0
+    logits[2, vocab // 2] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, -1] = 100.0
+    logits[5] = 0.0
+    logits[5, 0] = -0.0
+    logits[6, :] = -1.0
+    logits[6, vocab - 1] = float("nan")
+    assert torch.equal(native_ops.argmax_rows(logits), torch_ops.argmax_rows(logits))
+    # A view with a row stride (logits of every other row) reads the right rows.
+    view = logits[::2]
+    assert torch.equal(native_ops.argmax_rows(view), torch_ops.argmax_rows(view))
