@@ -41,6 +41,9 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's K/V is written to
     prefills: list[PrefillSeq]
+    # The native kernel (`workers.native.prefill_attention`, bf16) for whole prompts: (q,
+    # k, v, scale, out); None = SDPA.
+    prefill_kernel: Callable[..., None] | None = None
     # Decodes that read their rows of the decode workspace (in row order).
     num_workspace_decodes: int = 0
     workspace: DecodeWorkspace | None = None
@@ -107,6 +110,10 @@ def paged_attention(
         out[rows] = _decode_attention(q[rows], k_cache, v_cache, meta, block_size, scale, group)
     for seq in meta.prefills:
         rows = slice(seq.start, seq.start + seq.num_tokens)
+        if seq.num_context == 0 and meta.prefill_kernel is not None:
+            view = out[rows].view(seq.num_tokens, num_heads, head_dim)
+            meta.prefill_kernel(q[rows], k[rows], v[rows], scale, view)
+            continue
         out[rows] = _prefill_attention(
             q[rows], k[rows], v[rows], k_cache, v_cache, seq, block_size, scale, group
         )

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.integration.test_engine_correctness import make_prompts
+from tests.support.cpu import has_avx512_bf16
 from workers.config import EngineConfig, SchedulerConfig
 from workers.engine import LLMEngine
 from workers.sampling_params import SamplingParams
@@ -24,10 +25,20 @@ def _reference_bf16(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.fixture(scope="module")
+def head64_dir(tmp_path_factory):
+    """Llama with head dim 64, the shape the native bf16 prompt-attention kernel takes."""
+    from tests.support.checkpoints import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("head64") / "llama", "llama", hidden_size=256, intermediate_size=256
+    )
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama-head64"])
 @pytest.mark.parametrize("workspace", [1024, 0], ids=["workspace", "block-gather"])
-def test_bf16_engine_is_close_to_transformers_bf16(arch, workspace, checkpoints):
-    path = checkpoints[arch]
+def test_bf16_engine_is_close_to_transformers_bf16(arch, workspace, checkpoints, head64_dir):
+    path = head64_dir if arch == "llama-head64" else checkpoints[arch]
     engine = LLMEngine.from_pretrained(
         path,
         EngineConfig(
@@ -39,6 +50,8 @@ def test_bf16_engine_is_close_to_transformers_bf16(arch, workspace, checkpoints)
         ),
     )
     assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    if arch == "llama-head64" and has_avx512_bf16():
+        assert engine.runner.prefill_kernel is not None  # whole prompts take the native kernel
     prompts = make_prompts(6, seed=5, lo=10, hi=60)
     reqs = [engine.add_request(prompt_token_ids=p, params=PARAMS) for p in prompts]
     chosen: dict[str, list[float]] = {r.request_id: [] for r in reqs}

@@ -30,6 +30,8 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 # (q, k_new, v_new, k_workspace, v_workspace, lengths, scale, out) -> None
 DecodeAttention = Callable[..., None]
+# (q, k, v, scale, out) -> None
+PrefillAttention = Callable[..., None]
 
 
 def _cpu_tag() -> str:
@@ -105,10 +107,26 @@ def _kernel(name: str):
     return _build(name)
 
 
+KERNELS = ("decode_attention", "fused_ops", "prefill_attention")
+
+
+def build_all() -> bool:
+    """Build (or load) every kernel now; whether all of them built. prefill_attention is
+    built on any CPU, and answers `supports() == False` without AVX512-BF16."""
+    return all([_kernel(name) is not None for name in KERNELS])
+
+
 def fused_ops():
     """The module of fused per-layer ops (`fused_ops.cpp`: rms_norm, add_rms_norm_, rope,
     silu_mul, write_kv, argmax_rows), or None."""
     return _kernel("fused_ops")
+
+
+def prefill_attention() -> PrefillAttention | None:
+    """The bf16 whole-prompt causal attention kernel (`prefill_attention.cpp`), or None
+    (switched off, no build, or a CPU without AVX512-BF16)."""
+    module = _kernel("prefill_attention")
+    return None if module is None or not module.supports(64) else module.prefill_attention
 
 
 def decode_attention() -> DecodeAttention | None:
