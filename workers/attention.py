@@ -41,8 +41,8 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's K/V is written to
     prefills: list[PrefillSeq]
-    # The native kernel (`workers.native.prefill_attention`, bf16) for whole prompts: (q,
-    # k, v, scale, out); None = SDPA.
+    # The native kernel (`workers.native.prefill_attention`) for prompt chunks: (q, keys,
+    # values, scale, out), the chunk's queries last in time; None = SDPA.
     prefill_kernel: Callable[..., None] | None = None
     # Decodes that read their rows of the decode workspace (in row order).
     num_workspace_decodes: int = 0
@@ -110,9 +110,10 @@ def paged_attention(
         out[rows] = _decode_attention(q[rows], k_cache, v_cache, meta, block_size, scale, group)
     for seq in meta.prefills:
         rows = slice(seq.start, seq.start + seq.num_tokens)
-        if seq.num_context == 0 and meta.prefill_kernel is not None:
+        if meta.prefill_kernel is not None:
+            keys, values = _chunk_keys(k[rows], v[rows], k_cache, v_cache, seq, block_size)
             view = out[rows].view(seq.num_tokens, num_heads, head_dim)
-            meta.prefill_kernel(q[rows], k[rows], v[rows], scale, view)
+            meta.prefill_kernel(q[rows], keys, values, scale, view)
             continue
         out[rows] = _prefill_attention(
             q[rows], k[rows], v[rows], k_cache, v_cache, seq, block_size, scale, group
@@ -160,6 +161,41 @@ def _grouped_decode(
     return attn.transpose(0, 1).reshape(num_seqs, num_heads * head_dim)
 
 
+def _context_keys(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, seq: PrefillSeq, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All keys and values of a chunk after cached context ([kv_heads, T, dim], T covering
+    whole blocks): a view of the cache when its blocks are neighbours, else gathered whole
+    blocks at a time (far faster than per-slot indexing)."""
+    assert seq.block_ids is not None
+    num_kv_heads, _, head_dim = k_cache.shape
+    if seq.first_block is not None:
+        start = seq.first_block * block_size
+        span = slice(start, start + len(seq.block_ids) * block_size)
+        return k_cache[:, span], v_cache[:, span]
+    shape = (num_kv_heads, -1, block_size * head_dim)
+    keys = torch.index_select(k_cache.view(shape), 1, seq.block_ids)
+    values = torch.index_select(v_cache.view(shape), 1, seq.block_ids)
+    return keys.view(num_kv_heads, -1, head_dim), values.view(num_kv_heads, -1, head_dim)
+
+
+def _chunk_keys(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq: PrefillSeq,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values a chunk attends over, [tokens, kv_heads, dim], its own last: the
+    chunk's (a whole prompt) or the cache's first num_context + num_tokens."""
+    if seq.num_context == 0:
+        return k, v
+    keys, values = _context_keys(k_cache, v_cache, seq, block_size)
+    total = seq.num_context + seq.num_tokens
+    return keys[:, :total].transpose(0, 1), values[:, :total].transpose(0, 1)
+
+
 def _prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -193,23 +229,9 @@ def _prefill_attention(
         .permute(1, 2, 0, 3)
         .reshape(1, num_kv_heads, group * n, head_dim)
     )
-    # A chunk after cached context: its keys are one view of the cache when its blocks
-    # are neighbours, else gathered whole blocks at a time (far faster than per-slot
-    # indexing). The tail of the last block lies beyond every query's position and is
-    # masked out below.
-    assert seq.block_ids is not None
-    if seq.first_block is not None:
-        start = seq.first_block * block_size
-        span = slice(start, start + len(seq.block_ids) * block_size)
-        keys, values = k_cache[:, span], v_cache[:, span]
-    else:
-        shape = (num_kv_heads, -1, block_size * head_dim)
-        keys = torch.index_select(k_cache.view(shape), 1, seq.block_ids).view(
-            num_kv_heads, -1, head_dim
-        )
-        values = torch.index_select(v_cache.view(shape), 1, seq.block_ids).view(
-            num_kv_heads, -1, head_dim
-        )
+    # A chunk after cached context. The tail of the last block lies beyond every query's
+    # position and is masked out below.
+    keys, values = _context_keys(k_cache, v_cache, seq, block_size)
     total = keys.shape[1]
     if seq.mask is None:
         # Query i (at position num_context + i) sees keys 0 .. num_context + i.

@@ -178,13 +178,11 @@ class ModelRunner:
                 self.dtype,
                 self.device,
             )
-        # Whole prompts in bf16 attend through our kernel (2.6-4x torch's at 272-2,048
-        # tokens on the bench model); chunks after cached context, and fp32 (the parity
-        # reference), through SDPA.
+        # Prompt chunks attend through our kernel where it runs (head dim 64/128, AVX-512).
         self.prefill_kernel = None
-        if config.native_kernels and self.device.type == "cpu" and self.dtype == torch.bfloat16:
+        if config.native_kernels and self.device.type == "cpu" and self.dtype in NATIVE_DTYPES:
             if cfg.head_dim in (64, 128):
-                self.prefill_kernel = native.prefill_attention()
+                self.prefill_kernel = native.prefill_attention(config.dtype)
         self.decode_kernel = None
         if self.workspace is not None and config.native_kernels and self.dtype in NATIVE_DTYPES:
             if self.device.type == "cpu":

@@ -112,7 +112,7 @@ KERNELS = ("decode_attention", "fused_ops", "prefill_attention")
 
 def build_all() -> bool:
     """Build (or load) every kernel now; whether all of them built. prefill_attention is
-    built on any CPU, and answers `supports() == False` without AVX512-BF16."""
+    built on any CPU, and its `supports()` says False where it has no code path."""
     return all([_kernel(name) is not None for name in KERNELS])
 
 
@@ -122,11 +122,14 @@ def fused_ops():
     return _kernel("fused_ops")
 
 
-def prefill_attention() -> PrefillAttention | None:
-    """The bf16 whole-prompt causal attention kernel (`prefill_attention.cpp`), or None
-    (switched off, no build, or a CPU without AVX512-BF16)."""
+def prefill_attention(dtype: str) -> PrefillAttention | None:
+    """The prompt-chunk attention kernel (`prefill_attention.cpp`) for `dtype` ("float32"
+    or "bfloat16"), or None: switched off, no build, or a CPU without AVX-512 (bf16: and
+    AVX512-BF16)."""
     module = _kernel("prefill_attention")
-    return None if module is None or not module.supports(64) else module.prefill_attention
+    if module is None or not module.supports(64, dtype):
+        return None
+    return module.prefill_attention
 
 
 def decode_attention() -> DecodeAttention | None:
