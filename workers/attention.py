@@ -53,9 +53,13 @@ class AttentionMetadata:
     # one pass, with each row's length after this step; None = torch (append + SDPA).
     workspace_kernel: Callable[..., None] | None = None
     workspace_lengths: torch.Tensor | None = None  # [n] int64
-    # Decodes that gather their blocks from the paged cache.
+    # Decodes without a workspace row, reading their blocks of the paged cache.
     num_gather_decodes: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [n, max_blocks] (padded with 0)
+    decode_block_tables: torch.Tensor | None = None  # [n, max_blocks] int64 (padded with 0)
+    # The native kernel (`workers.native.paged_decode_attention`) that reads the blocks in
+    # place, with each row's length after this step; None = torch (gather + SDPA, masked).
+    paged_kernel: Callable[..., None] | None = None
+    decode_lengths: torch.Tensor | None = None  # [n] int64
     decode_mask: torch.Tensor | None = None  # [n, max_blocks * block_size] True = attend
 
 
@@ -105,7 +109,19 @@ def paged_attention(
         ws.append(layer, k[:nw], v[:nw], meta.workspace_slots)
         keys, values = ws.view(layer, nw, mask.shape[1])
         out[:nw] = _grouped_decode(q[:nw], keys, values, mask, scale, group)
-    if ng:
+    if ng and meta.paged_kernel is not None:
+        rows = slice(nw, nw + ng)
+        meta.paged_kernel(
+            q[rows],
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_lengths,
+            block_size,
+            scale,
+            out[rows].view(ng, num_heads, head_dim),
+        )
+    elif ng:
         rows = slice(nw, nw + ng)
         out[rows] = _decode_attention(q[rows], k_cache, v_cache, meta, block_size, scale, group)
     for seq in meta.prefills:

@@ -183,6 +183,10 @@ class ModelRunner:
         if config.native_kernels and self.device.type == "cpu" and self.dtype in NATIVE_DTYPES:
             if cfg.head_dim in (64, 128):
                 self.prefill_kernel = native.prefill_attention(config.dtype)
+        # Decodes without a workspace row read their blocks in place through our kernel.
+        self.paged_kernel = None
+        if config.native_kernels and self.device.type == "cpu" and self.dtype in NATIVE_DTYPES:
+            self.paged_kernel = native.paged_decode_attention()
         self.decode_kernel = None
         if self.workspace is not None and config.native_kernels and self.dtype in NATIVE_DTYPES:
             if self.device.type == "cpu":
@@ -326,7 +330,11 @@ class ModelRunner:
                 [t + [0] * (width - len(t)) for t in rows], device=dev
             )
             lengths = torch.tensor([r.num_computed_tokens + 1 for r in gather], device=dev)
-            meta.decode_mask = _length_mask(lengths, width * bs)
+            if self.paged_kernel is not None:
+                meta.paged_kernel = self.paged_kernel
+                meta.decode_lengths = lengths
+            else:
+                meta.decode_mask = _length_mask(lengths, width * bs)
         row = num_decodes
         for req, n in batch[num_decodes:]:
             ctx = req.num_computed_tokens

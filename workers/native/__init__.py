@@ -32,6 +32,8 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 DecodeAttention = Callable[..., None]
 # (q, k, v, scale, out) -> None
 PrefillAttention = Callable[..., None]
+# (q, k_cache, v_cache, block_tables, lengths, block_size, scale, out) -> None
+PagedDecodeAttention = Callable[..., None]
 
 
 def _cpu_tag() -> str:
@@ -130,6 +132,13 @@ def prefill_attention(dtype: str) -> PrefillAttention | None:
     if module is None or not module.supports(64, dtype):
         return None
     return module.prefill_attention
+
+
+def paged_decode_attention() -> PagedDecodeAttention | None:
+    """The decode-attention kernel over the paged cache in place (`decode_attention.cpp`),
+    or None."""
+    module = _kernel("decode_attention")
+    return None if module is None else module.paged_decode_attention
 
 
 def decode_attention() -> DecodeAttention | None:

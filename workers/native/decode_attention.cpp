@@ -51,6 +51,15 @@ inline float softmax_unnormalised(float* s, int64_t L) {
   return 1.f / sum;
 }
 
+// A run of n keys stored contiguously (D values each), and their values likewise: a
+// workspace row is one run; a sequence in the paged cache is one run per block.
+template <typename T>
+struct Run {
+  const T* k;
+  const T* v;
+  int64_t n;
+};
+
 #if defined(__AVX512F__)
 // 16 values from p as fp32.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -98,39 +107,56 @@ inline void prefetch(const T* p, int64_t n) {
     _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T1);
 }
 
-// One (sequence, KV head) task with head_dim = 16 * C: scores in 16-key blocks, softmax,
-// then the values weighted into C accumulators per query head. While it scores keys it
-// prefetches their values; while it weighs values, the keys of `next_k` (the next task's).
+// One (sequence, KV head) task with head_dim = 16 * C, over its keys in `runs`: scores in
+// 16-key blocks, softmax, then the values weighted into C accumulators per query head.
+// While it scores keys it prefetches their values and the next run's keys; while it
+// weighs values, the first `next_n` keys of `next_k` (the next task's).
 template <typename T, int C>
-void task_avx512(const T* q_heads, int64_t q_stride, int64_t G, const T* kr, const T* vr,
-                 int64_t L, float scale, float* scores, float* inv, T* out, int64_t o_stride,
-                 const T* next_k) {
+void task_avx512(const T* q_heads, int64_t q_stride, int64_t G, const Run<T>* runs,
+                 int64_t num_runs, int64_t L, float scale, float* scores, float* inv, T* out,
+                 int64_t o_stride, const T* next_k, int64_t next_n) {
   constexpr int64_t D = 16 * C;
   for (int64_t g = 0; g < G; ++g) {
     __m512 q[C];
     for (int c = 0; c < C; ++c) q[c] = load16(q_heads + g * q_stride + c * 16);
     float* sg = scores + g * L;
     const __m512 sc = _mm512_set1_ps(scale);
-    int64_t t = 0;
-    for (; t + 16 <= L; t += 16) {
-      if (g == 0) prefetch(vr + t * D, 16 * D);
-      _mm512_storeu_ps(sg + t, _mm512_mul_ps(scores16<T, C>(q, kr + t * D), sc));
+    for (int64_t r = 0; r < num_runs; ++r) {
+      const T* kr = runs[r].k;
+      const T* vr = runs[r].v;
+      const int64_t n = runs[r].n;
+      if (g == 0 && r + 1 < num_runs) prefetch(runs[r + 1].k, runs[r + 1].n * D);
+      int64_t t = 0;
+      for (; t + 16 <= n; t += 16) {
+        if (g == 0) prefetch(vr + t * D, 16 * D);
+        _mm512_storeu_ps(sg + t, _mm512_mul_ps(scores16<T, C>(q, kr + t * D), sc));
+      }
+      if (g == 0 && t < n) prefetch(vr + t * D, (n - t) * D);
+      for (; t < n; ++t) {  // the last < 16 keys of the run
+        __m512 a = _mm512_mul_ps(q[0], load16(kr + t * D));
+        for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(q[c], load16(kr + t * D + c * 16), a);
+        sg[t] = _mm512_reduce_add_ps(a) * scale;
+      }
+      sg += n;
     }
-    for (; t < L; ++t) {  // the last < 16 keys
-      __m512 a = _mm512_mul_ps(q[0], load16(kr + t * D));
-      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(q[c], load16(kr + t * D + c * 16), a);
-      sg[t] = _mm512_reduce_add_ps(a) * scale;
-    }
-    inv[g] = softmax_unnormalised(sg, L);
+    inv[g] = softmax_unnormalised(scores + g * L, L);
   }
   for (int64_t g = 0; g < G; ++g) {
     __m512 acc[C];
     for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
     const float* sg = scores + g * L;
-    for (int64_t t = 0; t < L; ++t) {
-      if (g == 0 && next_k) prefetch(next_k + t * D, D);
-      const __m512 p = _mm512_set1_ps(sg[t]);
-      for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vr + t * D + c * 16), acc[c]);
+    int64_t seen = 0;
+    for (int64_t r = 0; r < num_runs; ++r) {
+      const T* vr = runs[r].v;
+      const int64_t n = runs[r].n;
+      for (int64_t t = 0; t < n; ++t) {
+        if (g == 0 && seen + t < next_n) prefetch(next_k + (seen + t) * D, D);
+        const __m512 p = _mm512_set1_ps(sg[t]);
+        for (int c = 0; c < C; ++c)
+          acc[c] = _mm512_fmadd_ps(p, load16(vr + t * D + c * 16), acc[c]);
+      }
+      sg += n;
+      seen += n;
     }
     const __m512 w = _mm512_set1_ps(inv[g]);
     alignas(64) float res[D];
@@ -141,80 +167,138 @@ void task_avx512(const T* q_heads, int64_t q_stride, int64_t G, const T* kr, con
 }
 #endif
 
-
+// The same without AVX-512 (or at another head dim): q_heads are G rows, scaled first.
 template <typename T>
-void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
-         const at::Tensor& k_ws, const at::Tensor& v_ws, const at::Tensor& lengths,
-         float scale, const at::Tensor& out) {
-  const int64_t S = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t Hkv = k_ws.size(0), R = k_ws.size(1), Tmax = k_ws.size(2);
-  const int64_t G = Hq / Hkv;
+void task_scalar(const T* q_heads, int64_t q_stride, int64_t G, int64_t D, const Run<T>* runs,
+                 int64_t num_runs, int64_t L, float scale, float* scores, float* inv, float* qf,
+                 float* acc, T* out, int64_t o_stride) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load(q_heads + g * q_stride + d) * scale;
+  int64_t t0 = 0;
+  for (int64_t r = 0; r < num_runs; ++r) {
+    for (int64_t t = 0; t < runs[r].n; ++t) {
+      const T* kt = runs[r].k + t * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qf + g * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * load(kt + d);
+        scores[g * L + t0 + t] = dot;
+      }
+    }
+    t0 += runs[r].n;
+  }
+  for (int64_t g = 0; g < G; ++g) inv[g] = softmax_unnormalised(scores + g * L, L);
+  std::fill(acc, acc + G * D, 0.f);
+  t0 = 0;
+  for (int64_t r = 0; r < num_runs; ++r) {
+    for (int64_t t = 0; t < runs[r].n; ++t) {
+      const T* vt = runs[r].v + t * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = scores[g * L + t0 + t];
+        float* ag = acc + g * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ag[d] += p * load(vt + d);
+      }
+    }
+    t0 += runs[r].n;
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) store(out + g * o_stride + d, acc[g * D + d] * inv[g]);
+}
+
+// Runs every (sequence, KV head) task: `runs_of(task, runs)` fills the task's runs and
+// returns how many, with L = lengths[s] keys in all; `first_run(task)` is the task's first
+// run (for the prefetch of the next task's keys).
+template <typename T, typename RunsOf>
+void attend(const at::Tensor& q, int64_t Hkv, const int64_t* lp, int64_t max_runs, float scale,
+            const at::Tensor& out, RunsOf runs_of) {
+  const int64_t S = q.size(0), Hq = q.size(1), D = q.size(2), G = Hq / Hkv;
   const T* qp = q.data_ptr<T>();
-  const T* knp = k_new.data_ptr<T>();
-  const T* vnp = v_new.data_ptr<T>();
-  T* kp = k_ws.data_ptr<T>();
-  T* vp = v_ws.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const int64_t* lp = lengths.data_ptr<int64_t>();
   const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1);
-  const int64_t k_s0 = k_new.stride(0), k_s1 = k_new.stride(1);
-  const int64_t v_s0 = v_new.stride(0), v_s1 = v_new.stride(1);
   const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
   const int64_t max_len = *std::max_element(lp, lp + S);
   at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * max_len), qf(G * D), acc(G * D), inv(G);
+    std::vector<Run<T>> runs(max_runs), next(max_runs);
+    int64_t num_runs = runs_of(begin, runs.data());
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / Hkv, h = task % Hkv, L = lp[s];
-      T* kr = kp + (h * R + s) * Tmax * D;
-      T* vr = vp + (h * R + s) * Tmax * D;
-      std::memcpy(kr + (L - 1) * D, knp + s * k_s0 + h * k_s1, D * sizeof(T));
-      std::memcpy(vr + (L - 1) * D, vnp + s * v_s0 + h * v_s1, D * sizeof(T));
+      const T* qh = qp + s * q_s0 + h * G * q_s1;
+      T* oh = op + s * o_s0 + h * G * o_s1;
+      const int64_t next_runs = task + 1 < end ? runs_of(task + 1, next.data()) : 0;
 #if defined(__AVX512F__)
       if (D == 64 || D == 128) {
-        const T* qh = qp + s * q_s0 + h * G * q_s1;
-        T* oh = op + s * o_s0 + h * G * o_s1;
-        const int64_t nt = task + 1;
-        const T* next_k = nt < end ? kp + (nt % Hkv * R + nt / Hkv) * Tmax * D : nullptr;
+        const T* next_k = next_runs ? next[0].k : nullptr;
+        const int64_t next_n = next_runs ? next[0].n : 0;
         if (D == 64) {
-          task_avx512<T, 4>(qh, q_s1, G, kr, vr, L, scale, scores.data(), inv.data(), oh, o_s1,
-                              next_k);
+          task_avx512<T, 4>(qh, q_s1, G, runs.data(), num_runs, L, scale, scores.data(),
+                            inv.data(), oh, o_s1, next_k, next_n);
         } else {
-          task_avx512<T, 8>(qh, q_s1, G, kr, vr, L, scale, scores.data(), inv.data(), oh, o_s1,
-                              next_k);
+          task_avx512<T, 8>(qh, q_s1, G, runs.data(), num_runs, L, scale, scores.data(),
+                            inv.data(), oh, o_s1, next_k, next_n);
         }
-        continue;
-      }
+      } else
 #endif
-      for (int64_t g = 0; g < G; ++g) {
-        const T* qg = qp + s * q_s0 + (h * G + g) * q_s1;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load(qg + d) * scale;
-      }
-      for (int64_t t = 0; t < L; ++t) {
-        const T* kt = kr + t * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qg[d] * load(kt + d);
-          scores[g * L + t] = dot;
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) inv[g] = softmax_unnormalised(scores.data() + g * L, L);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const T* vt = vr + t * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * L + t];
-          float* ag = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * load(vt + d);
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        T* og = op + s * o_s0 + (h * G + g) * o_s1;
-        for (int64_t d = 0; d < D; ++d) store(og + d, acc[g * D + d] * inv[g]);
-      }
+        task_scalar<T>(qh, q_s1, G, D, runs.data(), num_runs, L, scale, scores.data(),
+                       inv.data(), qf.data(), acc.data(), oh, o_s1);
+      std::swap(runs, next);
+      num_runs = next_runs;
     }
+  });
+}
+
+// Workspace rows: appends this step's key/value at position lengths[s] - 1 of row s, then
+// attends over the row (one run).
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+         const at::Tensor& k_ws, const at::Tensor& v_ws, const at::Tensor& lengths,
+         float scale, const at::Tensor& out) {
+  const int64_t S = q.size(0), D = q.size(2);
+  const int64_t Hkv = k_ws.size(0), R = k_ws.size(1), Tmax = k_ws.size(2);
+  const T* knp = k_new.data_ptr<T>();
+  const T* vnp = v_new.data_ptr<T>();
+  T* kp = k_ws.data_ptr<T>();
+  T* vp = v_ws.data_ptr<T>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  const int64_t k_s0 = k_new.stride(0), k_s1 = k_new.stride(1);
+  const int64_t v_s0 = v_new.stride(0), v_s1 = v_new.stride(1);
+  at::parallel_for(0, S * Hkv, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / Hkv, h = task % Hkv, L = lp[s];
+      std::memcpy(kp + ((h * R + s) * Tmax + L - 1) * D, knp + s * k_s0 + h * k_s1, D * sizeof(T));
+      std::memcpy(vp + ((h * R + s) * Tmax + L - 1) * D, vnp + s * v_s0 + h * v_s1, D * sizeof(T));
+    }
+  });
+  attend<T>(q, Hkv, lp, 1, scale, out, [&](int64_t task, Run<T>* runs) {
+    const int64_t s = task / Hkv, h = task % Hkv;
+    const int64_t row = (h * R + s) * Tmax * D;
+    runs[0] = Run<T>{kp + row, vp + row, lp[s]};
+    return int64_t{1};
+  });
+}
+
+// The paged cache in place: sequence s's keys are the first lengths[s] slots of the blocks
+// tables[s] (block b holds slots b * block_size ..), this step's already written there.
+template <typename T>
+void run_paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+               const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size,
+               float scale, const at::Tensor& out) {
+  const int64_t Hkv = k_cache.size(0), slots = k_cache.size(1), D = k_cache.size(2);
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t width = tables.size(1);
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  attend<T>(q, Hkv, lp, width, scale, out, [&](int64_t task, Run<T>* runs) {
+    const int64_t s = task / Hkv, h = task % Hkv, L = lp[s];
+    const int64_t n = (L + block_size - 1) / block_size;
+    for (int64_t b = 0; b < n; ++b) {
+      const int64_t at = (h * slots + tp[s * width + b] * block_size) * D;
+      runs[b] = Run<T>{kp + at, vp + at, std::min(block_size, L - b * block_size)};
+    }
+    return n;
   });
 }
 
@@ -238,7 +322,54 @@ void check(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new
     TORCH_CHECK(lp[s] >= 1 && lp[s] <= k_ws.size(2), "length outside the workspace row");
 }
 
+void check_paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size,
+                 const at::Tensor& out) {
+  for (const auto* t : {&q, &k_cache, &v_cache, &out}) {
+    TORCH_CHECK(t->device().is_cpu(), "paged_decode_attention: CPU tensors only");
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "paged_decode_attention: one dtype");
+    TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1, "paged_decode_attention: 3 dims, contiguous last");
+  }
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(), "paged_decode_attention: caches of one shape");
+  TORCH_CHECK(block_size > 0 && k_cache.size(1) % block_size == 0, "block_size must divide slots");
+  const int64_t S = q.size(0);
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() &&
+                  lengths.dim() == 1 && lengths.size(0) == S, "one int64 length per query");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.dim() == 2 &&
+                  tables.size(0) == S, "int64 block tables [seqs, max_blocks]");
+  TORCH_CHECK(S > 0 && out.size(0) == S && out.size(1) == q.size(1), "one output per query");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads not a multiple of KV heads");
+  TORCH_CHECK(q.size(2) == k_cache.size(2) && out.size(2) == q.size(2), "head shapes differ");
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t width = tables.size(1), num_blocks = k_cache.size(1) / block_size;
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(lp[s] >= 1 && lp[s] <= width * block_size, "length beyond the block table");
+    for (int64_t b = 0; b < (lp[s] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(tp[s * width + b] >= 0 && tp[s * width + b] < num_blocks, "block id out of range");
+  }
+}
+
 }  // namespace
+
+// Attention of q ([seqs, heads, dim]) over each sequence's first lengths[s] tokens in the
+// paged cache (k_cache/v_cache [kv_heads, slots, dim]; tables [seqs, max_blocks] of block
+// ids), read in place, block by block; this step's keys/values must be written already.
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& tables,
+                            const at::Tensor& lengths, int64_t block_size, double scale,
+                            const at::Tensor& out) {
+  check_paged(q, k_cache, v_cache, tables, lengths, block_size, out);
+  const float sc = static_cast<float>(scale);
+  if (q.scalar_type() == at::kFloat) {
+    run_paged<float>(q, k_cache, v_cache, tables, lengths, block_size, sc, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    run_paged<at::BFloat16>(q, k_cache, v_cache, tables, lengths, block_size, sc, out);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16");
+  }
+}
 
 // Appends k_new/v_new ([seqs, kv_heads, dim]) at position lengths - 1 of rows 0..seqs-1
 // and writes the attention of q ([seqs, heads, dim]) into out ([seqs, heads, dim]).
@@ -258,4 +389,6 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Te
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over the workspace");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "decode attention over the paged cache, in place");
 }

@@ -81,3 +81,71 @@ def test_refuses_shapes_it_would_read_past(kernel):
     small = k_ws[:, :2].contiguous()
     with pytest.raises(RuntimeError, match="more queries than workspace rows"):
         kernel(q, k_new, v_new, small, small, lengths, 0.125, out)
+
+
+@pytest.fixture(scope="module")
+def paged():
+    k = native.paged_decode_attention()
+    assert k is not None, "the native kernel did not build (see the log)"
+    return k
+
+
+def make_paged_case(seqs, heads, kv_heads, dim, block_size, num_blocks, dtype, seed):
+    """A paged cache and, per sequence, a shuffled table of distinct blocks and a length
+    (1; a block and one more; a whole table; others at random)."""
+    gen = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(kv_heads, num_blocks * block_size, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(kv_heads, num_blocks * block_size, dim, generator=gen).to(dtype)
+    width = 6
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in range(seqs)])
+    lengths = torch.randint(1, width * block_size + 1, (seqs,), generator=gen)
+    lengths[0], lengths[1], lengths[-1] = 1, block_size + 1, width * block_size
+    q = torch.randn(seqs, heads, dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables, lengths
+
+
+def paged_reference(q, k_cache, v_cache, tables, lengths, block_size, scale):
+    seqs, heads, dim = q.shape
+    group = heads // k_cache.shape[0]
+    out = torch.empty(seqs, heads, dim, dtype=torch.float64)
+    for s in range(seqs):
+        n = int(lengths[s])
+        slots = (tables[s][:, None] * block_size + torch.arange(block_size)).flatten()[:n]
+        for h in range(heads):
+            keys, values = k_cache[h // group, slots].double(), v_cache[h // group, slots].double()
+            out[s, h] = torch.softmax(keys @ q[s, h].double() * scale, dim=0) @ values
+    return out
+
+
+@pytest.mark.parametrize(
+    "dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"]
+)
+@pytest.mark.parametrize("block_size", [16, 4, 32])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 4, 64), (6, 3, 128), (4, 1, 32)])
+def test_paged_reads_the_blocks_in_place(paged, dtype, tol, block_size, heads, kv_heads, dim):
+    seqs = 5
+    q, k_cache, v_cache, tables, lengths = make_paged_case(
+        seqs, heads, kv_heads, dim, block_size, 40, dtype, seed=block_size + dim
+    )
+    before = k_cache.clone()
+    scale = dim**-0.5
+    out = torch.full((seqs, heads, dim), float("nan"), dtype=dtype)
+    paged(q, k_cache, v_cache, tables, lengths, block_size, scale, out)
+    assert torch.equal(k_cache, before)  # read only
+    expected = paged_reference(q, k_cache, v_cache, tables, lengths, block_size, scale)
+    assert torch.allclose(out.double(), expected, atol=tol, rtol=tol)
+
+
+def test_paged_refuses_what_it_would_read_past(paged):
+    q, k_cache, v_cache, tables, lengths = make_paged_case(3, 4, 2, 64, 16, 10, torch.float32, 1)
+    out = torch.empty_like(q)
+    too_long = lengths.clone()
+    too_long[1] = 6 * 16 + 1  # beyond the table
+    with pytest.raises(RuntimeError, match="beyond the block table"):
+        paged(q, k_cache, v_cache, tables, too_long, 16, 0.125, out)
+    bad = tables.clone()
+    bad[0, 0] = 10  # a block the cache does not have
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        paged(q, k_cache, v_cache, bad, lengths, 16, 0.125, out)
+    with pytest.raises(RuntimeError, match="int64 block tables"):
+        paged(q, k_cache, v_cache, tables.int(), lengths, 16, 0.125, out)
