@@ -55,6 +55,8 @@ def _sign_in(page, url: str, key: str) -> None:
 
 def test_dashboard_page_in_a_headless_browser(stack, tmp_path):
     chromium, sync_playwright = _browser_or_fail()
+    from playwright.sync_api import expect
+
     acme, globex = _seed(stack)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
@@ -65,10 +67,10 @@ def test_dashboard_page_in_a_headless_browser(stack, tmp_path):
             requests: list[str] = []
             page.on("request", lambda r: requests.append(r.url))
 
+            # Waits are locator assertions: a string predicate (wait_for_function) is
+            # evaluated with eval, which the page's CSP (script-src 'self') may refuse.
             _sign_in(page, stack.url, "sy-wrong-key")
-            page.wait_for_function(
-                "document.getElementById('signin-error').textContent.includes('refused')"
-            )
+            expect(page.locator("#signin-error")).to_contain_text("refused")
             assert page.locator("#app").is_hidden()
 
             _sign_in(page, stack.url, acme)
@@ -96,17 +98,13 @@ def test_dashboard_page_in_a_headless_browser(stack, tmp_path):
             page.wait_for_selector("body[data-loaded]")
             options = page.locator("[data-testid=tenant-select] option").all_inner_texts()
             assert options == ["acme", "globex"]
-            page.wait_for_function(
-                "document.querySelectorAll('[data-testid=fleet] tr').length === 3"
-            )
+            expect(page.locator("[data-testid=fleet] tr")).to_have_count(3)
             fleet = page.get_by_test_id("fleet").inner_text()
             assert "small" in fleet and "large" in fleet and "1 / 1" in fleet
             page.evaluate("document.body.removeAttribute('data-loaded')")
             page.get_by_test_id("tenant-select").select_option("globex")
             page.wait_for_selector("body[data-loaded]")
-            page.wait_for_function(
-                "document.querySelectorAll('[data-testid=recent] tr').length === 2"
-            )
+            expect(page.locator("[data-testid=recent] tr")).to_have_count(2)
             page.screenshot(path=str(tmp_path / "dashboard-admin.png"), full_page=True)
             assert not errors, errors
         finally:
