@@ -317,7 +317,7 @@ void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
 }
 
 // Each row's argmax ([rows] int64) of fp32 logits [rows, vocab], as torch.argmax(dim=-1):
-// torch's CPU reduction ran at ~1 GB/s (450 us for 64 x 8,192 logits).
+// torch's CPU reduction took 450 us for 64 x 8,192 logits (2 MiB: under 5 GB/s).
 at::Tensor argmax_rows(const at::Tensor& x) {
   check_rows(x, "argmax_rows");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(1) > 0, "argmax_rows: fp32 [rows, vocab]");
