@@ -181,8 +181,7 @@ class ModelRunner:
         # Prompt chunks attend through our kernel where it runs (head dim 64/128, AVX-512).
         self.prefill_kernel = None
         if config.native_kernels and self.device.type == "cpu" and self.dtype in NATIVE_DTYPES:
-            if cfg.head_dim in (64, 128):
-                self.prefill_kernel = native.prefill_attention(config.dtype)
+            self.prefill_kernel = native.prefill_attention(config.dtype, cfg.head_dim)
         # Decodes without a workspace row read their blocks in place through our kernel.
         self.paged_kernel = None
         if config.native_kernels and self.device.type == "cpu" and self.dtype in NATIVE_DTYPES:

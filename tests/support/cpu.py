@@ -3,9 +3,17 @@
 from pathlib import Path
 
 
-def has_avx512_bf16() -> bool:
-    """Whether the CPU has the bf16 dot-product instructions (the native prefill kernel)."""
+def cpu_flags() -> set[str]:
     try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def runs_native_prefill(dtype: str) -> bool:
+    """Whether the native prompt-attention kernel runs `dtype` here: AVX-512, and for
+    bf16 the bf16 dot-product instructions too."""
+    need = {"avx512f"} | ({"avx512_bf16"} if dtype == "bfloat16" else set())
+    return need <= cpu_flags()

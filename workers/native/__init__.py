@@ -124,12 +124,12 @@ def fused_ops():
     return _kernel("fused_ops")
 
 
-def prefill_attention(dtype: str) -> PrefillAttention | None:
+def prefill_attention(dtype: str, head_dim: int) -> PrefillAttention | None:
     """The prompt-chunk attention kernel (`prefill_attention.cpp`) for `dtype` ("float32"
-    or "bfloat16"), or None: switched off, no build, or a CPU without AVX-512 (bf16: and
-    AVX512-BF16)."""
+    or "bfloat16") at `head_dim`, or None: switched off, no build, a head dim it has no
+    code for, or a CPU without AVX-512 (bf16: and AVX512-BF16)."""
     module = _kernel("prefill_attention")
-    if module is None or not module.supports(64, dtype):
+    if module is None or not module.supports(head_dim, dtype):
         return None
     return module.prefill_attention
 

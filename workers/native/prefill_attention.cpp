@@ -72,12 +72,10 @@ inline uint32_t pair_at(const uint16_t* p) {
 }
 
 // One KV head's keys (n rows of D at k, row stride ks) in blocks of 16 keys:
-// out[b][d / P][j][d % P] = k[16 b + j][d], zeros past n.
+// out[b][d / P][j][d % P] = k[16 b + j][d]. `out` comes zeroed: zeros stay past n.
 template <typename T>
 void pack_keys(const T* k, int64_t ks, int64_t n, int64_t D, T* out) {
   constexpr int64_t P = kPair<T>;
-  const int64_t blocks = (n + kKeys - 1) / kKeys;
-  std::memset(out, 0, blocks * kKeys * D * sizeof(T));
   for (int64_t t = 0; t < n; ++t) {
     T* blk = out + (t / kKeys) * kKeys * D + (t % kKeys) * P;
     const T* row = k + t * ks;
@@ -179,7 +177,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float sc
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const int64_t blocks = (nk + kKeys - 1) / kKeys, groups = (nk + P - 1) / P;
   const int64_t key_head = blocks * kKeys * D, value_head = groups * P * D;
-  std::vector<T> keys(Hkv * key_head), values(Hkv * value_head);
+  std::vector<T> keys(Hkv * key_head), values(Hkv * value_head);  // zeroed
   at::parallel_for(0, Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t h = begin; h < end; ++h) {
       pack_keys(kp + h * ks1, ks0, nk, D, keys.data() + h * key_head);

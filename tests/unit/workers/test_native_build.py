@@ -24,7 +24,7 @@ def test_switched_off_by_the_environment(monkeypatch):
         assert not native.enabled()
         assert native.fused_ops() is None
         assert native.decode_attention() is None
-        assert native.prefill_attention("bfloat16") is None
+        assert native.prefill_attention("bfloat16", 64) is None
         assert not native.build_all()
     monkeypatch.setenv(native.DISABLE_ENV, "1")
     assert native.enabled()

@@ -8,18 +8,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.cpu import has_avx512_bf16
+from tests.support.cpu import runs_native_prefill
 from workers import native
 
 DTYPES = pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 
 
-def kernel_for(dtype: str):
-    k = native.prefill_attention(dtype)
-    if not has_avx512_bf16():  # this machine has it; a CPU without it must say so
-        if dtype == "bfloat16":
-            assert k is None
-        pytest.skip("this CPU has no AVX512-BF16: checked that the kernel says so")
+def kernel_for(dtype: str, head_dim: int = 64):
+    k = native.prefill_attention(dtype, head_dim)
+    if not runs_native_prefill(dtype):  # this machine runs both; another must say so
+        assert k is None
+        pytest.skip(f"this CPU cannot run the {dtype} kernel: checked that it says so")
     assert k is not None, "the native kernel did not build (see the log)"
     return k
 
@@ -76,7 +75,7 @@ def sdpa(q, k, v, scale):
     ],
 )
 def test_matches_float64_reference_as_closely_as_sdpa(dtype, nq, nk, heads, kv_heads, dim):
-    kernel = kernel_for(dtype)
+    kernel = kernel_for(dtype, dim)
     q, k, v = make_case(nq, nk, heads, kv_heads, dim, dtype, seed=nq + nk + heads)
     scale = dim**-0.5
     out = torch.full_like(q, float("nan"))
@@ -100,6 +99,7 @@ def test_refuses_what_it_cannot_run():
     out = torch.empty_like(q)
     with pytest.raises(RuntimeError, match="one dtype"):
         kernel(q, k.bfloat16(), v, 0.125, out)
+    assert native.prefill_attention("float32", 32) is None  # the engine runs SDPA there
     with pytest.raises(RuntimeError, match="head dim"):
         kernel(q[..., :32], k[..., :32], v[..., :32], 0.125, out[..., :32])
     with pytest.raises(RuntimeError, match="a key per query"):
