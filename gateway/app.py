@@ -91,6 +91,7 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
             stop.set()
             await asyncio.gather(upkeep, return_exceptions=True)
             await gw.maintenance.close()
+            await gw.limiter.aclose()
             await gw.redis.aclose()
             await gw.workers.aclose()
             if monitor is not None:

@@ -30,6 +30,7 @@ from gateway.tokens import PromptCounter, load_tokenizer
 from quota.connection import make_redis
 from quota.journal import ReconcileJournal, journal_path
 from quota.limiter import FailurePolicy, QuotaLimiter
+from quota.pipelined import PipelinedRedis
 from quota.store import TenantStore
 from quota.sweeper import QuotaMaintenance, new_owner_id
 from quota.usage import UsageConfig, UsageReader
@@ -85,7 +86,15 @@ def build_gateway(
         day_retention_s=config.usage_day_retention_s,
         recent_max=config.usage_recent_max,
     )
-    limiter = QuotaLimiter(redis, policy, registry, owner_id=owner_id, journal=journal, usage=usage)
+    limiter = QuotaLimiter(
+        redis,
+        policy,
+        registry,
+        owner_id=owner_id,
+        journal=journal,
+        usage=usage,
+        pipelined=PipelinedRedis(redis_url),  # reserve and reconcile: once per request each
+    )
     maintenance = QuotaMaintenance(
         limiter, heartbeat_ttl_s=config.quota_heartbeat_ttl_s, registry=registry
     )

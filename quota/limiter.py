@@ -19,6 +19,7 @@ from quota import keyspace
 from quota.errors import QuotaUnavailable
 from quota.journal import ReconcileJournal, Settlement
 from quota.models import Tenant
+from quota.pipelined import PipelinedRedis
 from quota.policy import (
     STATUS_ADMITTED,
     STATUS_STALE_WINDOWS,
@@ -73,6 +74,9 @@ class QuotaLimiter:
     `journal`: where settlements Redis could not take go, for the sweeper to apply; None: such
     a reconcile is lost (counted) and an unchecked request is charged only if Redis is back by
     its reconcile. `usage`: retention of the usage records reconcile writes (`quota.usage`).
+    `pipelined`: where the reserve and reconcile scripts run (one shared connection, with
+    the same retries and timeouts as `redis`: `quota.pipelined`); None: on `redis`. The
+    limiter closes it (`aclose`).
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class QuotaLimiter:
         owner_id: str | None = None,
         journal: ReconcileJournal | None = None,
         usage: UsageConfig | None = None,
+        pipelined: PipelinedRedis | None = None,
     ) -> None:
         if concurrency_lease_s <= 0:
             raise ValueError("concurrency_lease_s must be positive")
@@ -99,7 +104,7 @@ class QuotaLimiter:
         self._redis_down = False
         self.owner_id = owner_id
         self.journal = journal
-        self.scripts = QuotaScripts(redis, usage)
+        self.scripts = QuotaScripts(redis, usage, pipelined)
         registry = registry if registry is not None else CollectorRegistry()
         self._redis_errors = Counter(
             "switchyard_gateway_quota_redis_errors",
@@ -184,6 +189,11 @@ class QuotaLimiter:
         if self.journal is not None and not settlement.checked:
             self.journal.done(settlement.request_id)  # its admission-time record
         reservation.reconciled = True
+
+    async def aclose(self) -> None:
+        """Close the pipelined connection, if any (`redis` is the caller's to close)."""
+        if self.scripts.pipelined is not None:
+            await self.scripts.pipelined.aclose()
 
     async def usage(self, tenant_id: str) -> dict[str, int]:
         """The tenant's current windows: tokens reserved (reconciled where done) this minute and

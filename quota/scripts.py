@@ -5,10 +5,12 @@ every script is safe to send again after a lost reply (see each script's header)
 from importlib import resources
 
 import redis.asyncio
+from redis.commands.core import AsyncScript
 
 from quota import keyspace
 from quota.journal import Settlement
 from quota.models import TenantLimits
+from quota.pipelined import PipelinedRedis
 from quota.policy import (
     DAY_TTL_S,
     MINUTE_TTL_S,
@@ -33,14 +35,27 @@ def _script(name: str) -> str:
 
 
 class QuotaScripts:
-    """reserve.lua, reconcile.lua and sweep.lua on `redis`."""
+    """reserve.lua, reconcile.lua and sweep.lua on `redis`; reserve and reconcile, the two
+    every request runs, on `pipelined` where given (one shared connection, far less CPU a
+    call than the pool: `quota.pipelined`)."""
 
-    def __init__(self, redis: redis.asyncio.Redis, usage: UsageConfig | None = None) -> None:
+    def __init__(
+        self,
+        redis: redis.asyncio.Redis,
+        usage: UsageConfig | None = None,
+        pipelined: PipelinedRedis | None = None,
+    ) -> None:
         self.redis = redis
         self.usage = usage or UsageConfig()
+        self.pipelined = pipelined
         self._reserve = redis.register_script(_script("reserve.lua"))
         self._reconcile = redis.register_script(_script("reconcile.lua"))
         self._sweep = redis.register_script(_script("sweep.lua"))
+
+    async def _run(self, script: AsyncScript, keys: list, args: list):  # noqa: ANN202
+        if self.pipelined is not None:
+            return await self.pipelined.run_script(script.script, script.sha, keys, args)
+        return await script(keys, args)
 
     async def reserve(
         self,
@@ -78,7 +93,7 @@ class QuotaScripts:
             owner_id or "",
             keyspace.pending_member(tenant_id, request_id),
         ]
-        return parse_reserve_reply(await self._reserve(keys, args))
+        return parse_reserve_reply(await self._run(self._reserve, keys, args))
 
     async def settle(self, s: Settlement) -> bool:
         """Apply a settlement (and its usage record); False if it was already applied (or
@@ -112,7 +127,7 @@ class QuotaScripts:
             self.usage.day_retention_s,
             self.usage.recent_max,
         ]
-        return bool(await self._reconcile(keys, args))
+        return bool(await self._run(self._reconcile, keys, args))
 
     async def sweep(self, owner_id: str, member: str) -> bool:
         """Settle the reservation `member` ("<tenant>|<request id>") of the dead `owner_id`:

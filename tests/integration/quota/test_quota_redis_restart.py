@@ -1,7 +1,8 @@
 """A Redis restart under a live client from `quota.connection.make_redis`: the pool notices
 its dead connections and reconnects by itself, so no call after the restart fails, not even
 the first; and the client built the old way (retry given to Redis() beside its own pool) is
-shown to lose calls, so the test tells the two apart."""
+shown to lose calls, so the test tells the two apart. The quota scripts heal the same way on
+`quota.pipelined.PipelinedRedis`, the one connection the gateway runs them on."""
 
 import asyncio
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from quota.connection import make_redis
 from quota.limiter import QuotaLimiter
 from quota.models import TenantLimits
+from quota.pipelined import PipelinedRedis
 from quota.store import TenantStore
 from tests.support.redis_server import RestartableRedis, restartable_redis
 
@@ -52,11 +54,17 @@ async def burst(store: TenantStore, limiter: QuotaLimiter, key: str, tag: str) -
     return await asyncio.gather(*(limited(c) for c in calls), return_exceptions=True)
 
 
+@pytest.mark.parametrize("scripts_on", ["pool", "pipelined"])
 @pytest.mark.parametrize("scheme", ["unix", "tcp"])
-async def test_every_call_after_a_restart_succeeds(server: RestartableRedis, scheme: str) -> None:
+async def test_every_call_after_a_restart_succeeds(
+    server: RestartableRedis, scheme: str, scripts_on: str
+) -> None:
     url = server.unix_url if scheme == "unix" else server.tcp_url
     # No health checks: the command retry alone must heal the pool.
     client = make_redis(url, max_connections=CONCURRENCY, health_check_interval_s=0)
+    # The quota scripts on the pool, or on one pipelined connection as the gateway runs them.
+    pipelined = PipelinedRedis(url) if scripts_on == "pipelined" else None
+    limiter = QuotaLimiter(client, pipelined=pipelined)
     try:
         await client.flushdb()
         store = TenantStore(client)
@@ -64,7 +72,6 @@ async def test_every_call_after_a_restart_succeeds(server: RestartableRedis, sch
         key = (await store.create_key("acme")).plaintext
         await client.save()  # the key is on disk before the server goes
 
-        limiter = QuotaLimiter(client)
         assert await burst(store, limiter, key, "a") == [None] * NUM_CALLS
         server.restart()
         # The very first call meets a stale pooled connection; the retry reconnects.
@@ -74,6 +81,7 @@ async def test_every_call_after_a_restart_succeeds(server: RestartableRedis, sch
         usage = await limiter.usage("acme")
         assert usage["concurrent_requests"] == 0
     finally:
+        await limiter.aclose()
         await client.aclose()
 
 
