@@ -114,6 +114,9 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
         middleware=middleware,
         lifespan=[lifespan],
         request_max_body_size=gw.config.max_body_bytes * 2,
+        # The process's own logging (`--log-level`, `--log-format`): Litestar's default
+        # would replace the root handler with its queue handler and its own text format.
+        logging_config=None,
         openapi_config=OpenAPIConfig(
             title="Switchyard gateway",
             version="0.1.0",

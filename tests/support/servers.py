@@ -106,17 +106,20 @@ def gateway_proc(
     *,
     ready_timeout_s: float = 90.0,  # a loaded CI box can take long to import torch
     wait_for: str = "/ready",
+    global_args: tuple[str, ...] = (),
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """A `switchyard gateway` process with this config (the `gateway:` section); yields
     (URL, Popen) once `wait_for` answers 200, so the test can signal it. Its output goes to
-    `workdir/gateway-<port>.log`. Stopped (SIGINT) on exit if still running."""
+    `workdir/gateway-<port>.log`. Stopped (SIGINT) on exit if still running. `global_args`:
+    options before the command (`--log-format json`)."""
     import yaml
 
     port = port or free_port()
     workdir = Path(workdir)
     path = workdir / f"gateway-{port}.yaml"
     path.write_text(yaml.safe_dump({"gateway": config}))
-    cmd = [sys.executable, "-m", "cli.main", "gateway", "--config", str(path), "--port", str(port)]
+    cmd = [sys.executable, "-m", "cli.main", *global_args, "gateway", "--config", str(path)]
+    cmd += ["--port", str(port)]
     url = f"http://127.0.0.1:{port}"
     with _child(cmd, workdir / f"gateway-{port}.log") as proc:
         wait_ready(url, ready_timeout_s, proc, wait_for)

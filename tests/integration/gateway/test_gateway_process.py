@@ -1,8 +1,11 @@
 """The standalone `switchyard gateway` process stops cleanly: SIGTERM or SIGINT stops its
-embedded Redis too (no orphaned redis-server), with no traceback."""
+embedded Redis too (no orphaned redis-server), with no traceback; and its log lines follow
+`--log-format`."""
 
+import json
 import signal
 
+import httpx
 import psutil
 import pytest
 
@@ -38,3 +41,32 @@ def test_a_signal_stops_the_gateway_and_its_embedded_redis(tmp_path, sig):
     assert not alive, f"orphaned: {[p.pid for p in alive]}"
     log = next(tmp_path.glob("gateway-*.log")).read_text()
     assert "Traceback" not in log, log[-2000:]
+
+
+@pytest.mark.timeout(240)
+def test_the_access_line_is_one_json_object_with_log_format_json(tmp_path):
+    """`--log-format json` holds for the gateway's own lines, the access line included (the
+    web framework must not swap the process's log handler for its own)."""
+    with serving(FakeBackend()) as backend:
+        cfg = {"pools": {"small": [backend]}, "admin_key": ADMIN, "data_dir": str(tmp_path)}
+        args = ("--log-format", "json")
+        with gateway_proc(cfg, tmp_path, global_args=args) as (url, proc):
+            admin = {"authorization": f"Bearer {ADMIN}"}
+            r = httpx.post(f"{url}/admin/tenants", json={"tenant_id": "acme"}, headers=admin)
+            assert r.status_code == 201, r.text
+            r = httpx.post(f"{url}/admin/tenants/acme/keys", json={"name": "t"}, headers=admin)
+            key = r.json()["key"]
+            body = {"model": "small", "prompt": "hello", "max_tokens": 3}
+            r = httpx.post(
+                f"{url}/v1/completions", json=body, headers={"authorization": f"Bearer {key}"}
+            )
+            assert r.status_code == 200, r.text
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+    lines = next(tmp_path.glob("gateway-*.log")).read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    assert len(records) == len(lines), [line for line in lines if not line.startswith("{")]
+    access = [r for r in records if r["logger"] == "gateway.access"]
+    assert [(a["path"], a["tenant"], a["status"], a["tokens"]) for a in access] == [
+        ("/v1/completions", "acme", 200, 3 + r.json()["usage"]["prompt_tokens"])
+    ]
