@@ -1,10 +1,10 @@
 """One Redis connection shared by every request of a gateway process, its commands pipelined.
 
 The quota scripts run twice per request (reserve on the path, reconcile after it). Through
-redis-py's pooled client one call costs 130-150 us of CPU sequentially and 60-90 us with 16
+redis-py's pooled client one call cost 130-150 us of CPU sequentially and 60-90 us with 16
 in flight (connection checkout under a Condition, the retry wrapper, packing, a read per
-reply); here it is 35-50 us and 6-8 us (`/tmp` microbenchmark in the closing note of the
-gateway issue). Redis runs commands one at a time, in the order a connection sends them, so
+reply); here 35-50 us and 6-8 us (an EVALSHA against the same embedded Redis, measured side
+by side in one process). Redis runs commands one at a time, in the order a connection sends them, so
 one connection carries every caller: a command is packed (hiredis), appended to a buffer
 that is written once per event-loop pass (the reconciles of one pass go out in one
 `write`), and its future waits in a FIFO that the replies, parsed by hiredis as they
