@@ -224,10 +224,11 @@ def paths_markdown(data: dict[str, Any]) -> list[str]:
 
 
 def overload_fairness_markdown(d: dict[str, Any]) -> list[str]:
+    wait_ms = d["overload"]["bounded"].get("max_wait_s", 0.02) * 1e3
     parts = [
         "\n## Overload: 3x capacity (120 req/s offered, ~40 req/s capacity), deadline 2 s\n",
-        "bounded: a queue of 2 requests and at most 20 ms of waiting (`queue_max_wait_s`); "
-        "unbounded: neither bound, a deadline of an hour.\n",
+        f"bounded: a queue of 2 requests and at most {wait_ms:g} ms of waiting "
+        "(`queue_max_wait_s`); unbounded: neither bound, a deadline of an hour.\n",
     ]
     rows = []
     for name, v in d["overload"].items():
