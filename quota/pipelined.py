@@ -172,7 +172,8 @@ class PipelinedRedis:
         """Run one command (`execute("GET", "k")`), retrying on a lost connection or a
         timeout; its reply as hiredis gives it (bytes, int, list, None)."""
         conn = self._conn
-        if conn is not None and conn.usable:  # the hot path: no retry machinery
+        if conn is not None and conn.usable and conn.loop is asyncio.get_running_loop():
+            # The hot path: no retry machinery.
             try:
                 return await conn.send(hiredis.pack_command(args))
             except _DOWN:
@@ -203,13 +204,18 @@ class PipelinedRedis:
 
     async def aclose(self) -> None:
         self._closed = True
-        if self._conn is not None:
+        if self._conn is not None and self._conn.loop is asyncio.get_running_loop():
             self._conn.close()
-            self._conn = None
+        self._conn = None
 
     async def _connection(self) -> _Connection:
         if self._closed:
             raise RedisConnectionError("the pipelined Redis client is closed")
+        loop = asyncio.get_running_loop()
+        if self._conn is not None and self._conn.loop is not loop:
+            # Made on an event loop that is gone or not this one (a caller that runs
+            # several loops in turn): left to that loop, a new one is made here.
+            self._conn, self._connecting = None, None
         if self._conn is not None and self._conn.usable:
             return self._conn
         if self._connecting is None or self._connecting.done():

@@ -15,8 +15,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from quota.pipelined import PipelinedRedis
 from tests.support.redis_server import RestartableRedis, embedded_redis, restartable_redis
 
-pytestmark = pytest.mark.asyncio
-
 SCRIPT = "return {KEYS[1], ARGV[1], redis.call('INCR', KEYS[1])}"
 
 
@@ -29,6 +27,7 @@ async def client(redis_client: redis.asyncio.Redis, redis_server_url: str) -> As
         await pipelined.aclose()
 
 
+@pytest.mark.asyncio
 async def test_concurrent_callers_get_their_own_replies_on_one_connection(
     client: PipelinedRedis,
 ) -> None:
@@ -42,6 +41,7 @@ async def test_concurrent_callers_get_their_own_replies_on_one_connection(
     assert client.connects == 1
 
 
+@pytest.mark.asyncio
 async def test_an_error_reply_fails_only_its_caller(client: PipelinedRedis) -> None:
     replies = await asyncio.gather(
         client.execute("ECHO", "before"),
@@ -55,6 +55,7 @@ async def test_an_error_reply_fails_only_its_caller(client: PipelinedRedis) -> N
     assert client.connects == 1
 
 
+@pytest.mark.asyncio
 async def test_a_cancelled_caller_does_not_shift_the_replies(client: PipelinedRedis) -> None:
     first = asyncio.ensure_future(client.execute("ECHO", "abandoned"))
     await asyncio.sleep(0)  # its command is queued on the connection
@@ -63,6 +64,7 @@ async def test_a_cancelled_caller_does_not_shift_the_replies(client: PipelinedRe
     assert first.cancelled()
 
 
+@pytest.mark.asyncio
 async def test_a_script_runs_by_sha_and_survives_a_script_flush(
     client: PipelinedRedis, redis_client: redis.asyncio.Redis
 ) -> None:
@@ -75,6 +77,7 @@ async def test_a_script_runs_by_sha_and_survives_a_script_flush(
         await client.run_script("return redis.error_reply('boom')", "0" * 40, [], [])
 
 
+@pytest.mark.asyncio
 async def test_a_reply_later_than_the_timeout_raises_and_the_next_call_reconnects(
     redis_client: redis.asyncio.Redis, redis_server_url: str
 ) -> None:
@@ -92,6 +95,7 @@ async def test_a_reply_later_than_the_timeout_raises_and_the_next_call_reconnect
         await client.aclose()
 
 
+@pytest.mark.asyncio
 async def test_an_unreachable_server_raises_connection_error_after_its_retries(
     tmp_path,  # noqa: ANN001
 ) -> None:
@@ -104,12 +108,23 @@ async def test_an_unreachable_server_raises_connection_error_after_its_retries(
         await client.aclose()
 
 
+def test_one_client_serves_event_loops_in_turn(redis_server_url: str) -> None:
+    """A connection belongs to the loop that made it: a caller running `asyncio.run` twice
+    gets a fresh one the second time, not a future of a closed loop."""
+    client = PipelinedRedis(redis_server_url)
+    assert asyncio.run(client.execute("ECHO", "first loop")) == b"first loop"
+    assert asyncio.run(client.execute("ECHO", "second loop")) == b"second loop"
+    assert client.connects == 2
+    asyncio.run(client.aclose())
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[RestartableRedis]:
     with restartable_redis() as srv:
         yield srv
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize("scheme", ["unix", "tcp"])
 async def test_calls_after_a_restart_succeed_on_a_new_connection(
     server: RestartableRedis, scheme: str
@@ -127,6 +142,7 @@ async def test_calls_after_a_restart_succeed_on_a_new_connection(
         await client.aclose()
 
 
+@pytest.mark.asyncio
 async def test_a_password_and_a_db_from_the_url_apply() -> None:
     with embedded_redis() as url:
         admin = redis.asyncio.Redis.from_url(url)
