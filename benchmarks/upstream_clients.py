@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from benchmarks.processes import child_process, free_port, wait_http
 from benchmarks.stats import markdown_table, write_report
+from workers.api import WorkerClient
 
 BODY = {"model": "small", "prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 4}
 STREAM_BODY = {**BODY, "max_tokens": 16, "stream": True}
@@ -90,7 +91,28 @@ async def _aiohttp(url: str, body: bytes, n: int) -> tuple[float, float]:
         return await _drive(send, n)
 
 
-CLIENTS = {"httpx (as the gateway had it)": _httpx, "aiohttp": _aiohttp}
+async def _http1(url: str, body: bytes, n: int) -> tuple[float, float]:
+    """`WorkerClient.post`, as the gateway calls it (`workers.http1` for an http:// worker)."""
+    worker, path = url.split("/v1/", 1)
+    async with WorkerClient() as client:
+
+        async def send() -> None:
+            r = await client.post(worker, f"/v1/{path}", body, stream=True)
+            try:
+                async for _ in r.aiter_raw():
+                    pass
+            finally:
+                r.close()
+            assert r.status_code == 200
+
+        return await _drive(send, n)
+
+
+CLIENTS = {
+    "httpx (as the gateway had it)": _httpx,
+    "aiohttp": _aiohttp,
+    "workers.http1 (the gateway's)": _http1,
+}
 
 
 def run_upstream_bench(opts: UpstreamBenchOptions) -> dict:

@@ -1,11 +1,11 @@
 """The client for workers: the gateway's upstream, the supervisor's probe, the tests' reader.
 
-It is built on aiohttp, not httpx: per request to a worker, httpx's connection pool as the
-gateway used it cost ~10x the CPU (`switchyard bench upstream`: 1.57 vs 0.13 ms a plain
-request, 2.40 vs 0.29 ms a 16-chunk stream), and the upstream call is on every request's
-path. Everything aiohttp-specific stays here: callers see `UpstreamResponse` and two
-exceptions, `WorkerUnavailable` (before an answer started) and `UpstreamError` (while one
-was read).
+`post`, the call every public request makes, goes over `workers.http1` (our own HTTP/1.1
+client on httptools) to `http://` workers; the rest (load polls, health, drain) and any
+`https://` worker over aiohttp. Per request to a worker, httpx's pool as the gateway used
+it cost ~10x aiohttp's CPU, and aiohttp 2-4x http1's (`switchyard bench upstream`). Callers
+see `UpstreamResponse` and two exceptions, `WorkerUnavailable` (before an answer started)
+and `UpstreamError` (while one was read).
 
 The aiohttp session is made on first use inside the running event loop (aiohttp binds a
 session to its loop), and again if a later call runs on another loop (tests that call
@@ -15,15 +15,28 @@ session to its loop), and again if a later call runs on another loop (tests that
 import asyncio
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
+
+from workers.http1 import Http1Error, Http1Pool, Http1Response
 
 if TYPE_CHECKING:
     from workers.api import LoadReport
 
 _TRANSPORT_ERRORS = (aiohttp.ClientError, OSError)
 _JSON = {"content-type": "application/json"}
+_JSON_LINES = b"Content-Type: application/json\r\n"
+_UNPARSED = ("", -1)
+
+
+def _http_origin(url: str) -> tuple[str, int] | None:
+    """(host, port) of an `http://` URL; None for any other scheme (aiohttp serves it)."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        return None
+    return parts.hostname, parts.port or 80
 
 
 class WorkerUnavailable(Exception):
@@ -48,12 +61,12 @@ class UpstreamResponse:
 
     __slots__ = ("_r",)
 
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
+    def __init__(self, response: Http1Response) -> None:
         self._r = response
 
     @property
     def status_code(self) -> int:
-        return self._r.status
+        return self._r.status_code
 
     @property
     def headers(self) -> Mapping[str, str]:
@@ -62,13 +75,55 @@ class UpstreamResponse:
 
     async def aread(self) -> bytes:
         try:
-            return await self._r.read()
+            return await self._r.aread()
+        except Http1Error as exc:
+            raise UpstreamError(repr(exc)) from exc
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body's pieces as they arrive (the transfer encoding removed); what arrived
+        before a broken connection comes before its UpstreamError."""
+        try:
+            async for piece in self._r.aiter_raw():
+                yield piece
+        except Http1Error as exc:
+            raise UpstreamError(repr(exc)) from exc
+
+    @property
+    def is_closed(self) -> bool:
+        return self._r.closed
+
+    def close(self) -> None:
+        """Back to the pool if the body was read to its end, else the connection closed."""
+        self._r.close()
+
+    async def aclose(self) -> None:
+        self.close()
+
+
+class _AiohttpResponse(UpstreamResponse):
+    """UpstreamResponse over aiohttp (an `https://` worker)."""
+
+    __slots__ = ()
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._r = response  # type: ignore[assignment]
+
+    @property
+    def status_code(self) -> int:
+        return self._r.status  # type: ignore[attr-defined]
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        return self._r.headers
+
+    async def aread(self) -> bytes:
+        try:
+            return await self._r.read()  # type: ignore[attr-defined]
         except _TRANSPORT_ERRORS as exc:
             raise UpstreamError(repr(exc)) from exc
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
-        """The body's pieces as they arrive (the transfer encoding removed)."""
-        content = self._r.content
+        content = self._r.content  # type: ignore[attr-defined]
         try:
             while piece := await content.readany():
                 yield piece
@@ -85,14 +140,11 @@ class UpstreamResponse:
         return self._r.closed
 
     def close(self) -> None:
-        """Back to the pool if the body was read to its end, else the connection closed."""
-        if self._r.content.at_eof():
-            self._r.release()
+        r: aiohttp.ClientResponse = self._r  # type: ignore[assignment]
+        if r.content.at_eof():
+            r.release()
         else:
-            self._r.close()
-
-    async def aclose(self) -> None:
-        self.close()
+            r.close()
 
 
 def _buffered(content: aiohttp.StreamReader) -> bytes:
@@ -127,6 +179,8 @@ class WorkerClient:
         self.connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._http1 = Http1Pool(connect_timeout_s)
+        self._origins: dict[str, tuple[str, int] | None] = {}  # worker URL -> (host, port)
 
     def _http(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
@@ -149,6 +203,7 @@ class WorkerClient:
         if self._session is not None and self._loop is asyncio.get_running_loop():
             await self._session.close()
         self._session = None
+        await self._http1.aclose()
 
     async def __aenter__(self) -> "WorkerClient":
         return self
@@ -207,11 +262,29 @@ class WorkerClient:
         not yet read (close it). Raises WorkerUnavailable on a transport error, or when a
         streaming request's status does not come within the first-byte timeout."""
         timeout_s = first_byte_timeout_s or self.first_byte_timeout_s
-        sending = self._http().post(f"{url}{path}", data=body, headers=_JSON)
+        origin = self._origins.get(url, _UNPARSED)
+        if origin is _UNPARSED:
+            origin = self._origins[url] = _http_origin(url)
+        if origin is None:
+            return await self._post_aiohttp(url, path, body, stream, timeout_s)
+        sending = self._http1.post(origin, path, body, _JSON_LINES)
         try:
             if not stream:
                 return UpstreamResponse(await sending)
             return UpstreamResponse(await asyncio.wait_for(sending, timeout_s))
+        except TimeoutError:
+            raise WorkerUnavailable(url, f"no response within {timeout_s:g} s") from None
+        except Http1Error as exc:
+            raise WorkerUnavailable(url, str(exc) or repr(exc)) from exc
+
+    async def _post_aiohttp(
+        self, url: str, path: str, body: bytes, stream: bool, timeout_s: float
+    ) -> UpstreamResponse:
+        sending = self._http().post(f"{url}{path}", data=body, headers=_JSON)
+        try:
+            if not stream:
+                return _AiohttpResponse(await sending)
+            return _AiohttpResponse(await asyncio.wait_for(sending, timeout_s))
         except TimeoutError:
             raise WorkerUnavailable(url, f"no response within {timeout_s:g} s") from None
         except _TRANSPORT_ERRORS as exc:
