@@ -65,7 +65,10 @@ async def handle(gw: Gateway, request: Request, chat: bool) -> Response | EventS
         if flight is not None and not flight.finished:  # a stream: logged when it settles
             flight.on_finish = lambda: _log_access(*line, flight.charged_tokens)
         else:
-            _log_access(*line, flight.charged_tokens if flight is not None else 0)
+            # After this task's step, i.e. once the answer is on its way: the line's format
+            # and write are not on the request's path.
+            tokens = flight.charged_tokens if flight is not None else 0
+            asyncio.get_running_loop().call_soon(_log_access, *line, tokens)
 
 
 def _log_access(
