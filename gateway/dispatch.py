@@ -42,7 +42,9 @@ class _WaitRetryAfter(wait_base):
         self.rng = rng
 
     def __call__(self, retry_state) -> float:  # noqa: ANN001 (tenacity's RetryCallState)
-        exc = retry_state.outcome.exception() if retry_state.outcome else None
+        return self.after(retry_state.outcome.exception() if retry_state.outcome else None)
+
+    def after(self, exc: BaseException | None) -> float:
         base = exc.retry_after_s if isinstance(exc, Refused) else 0.05
         return min(base, self.cap_s) * (1.0 + 0.5 * self.rng.random())
 
@@ -72,9 +74,18 @@ async def send_attempt(
     Raises Refused when every try was refused, NoReplica when no replica has room, and
     DeadlineExceeded when the request's deadline passes first.
     """
+    # The first try outside tenacity: most requests need no other, and setting up the
+    # retry loop cost more CPU than the try (py-spy: ~5% of a plain request).
+    try:
+        return await _try_once(client, lease, path, body, stream)
+    except Refused as exc:
+        if attempts <= 1:
+            raise
+        wait = _WaitRetryAfter(retry_cap_s, rng)
+        await asyncio.sleep(wait.after(exc))
     retrying = AsyncRetrying(
-        stop=stop_after_attempt(attempts),
-        wait=_WaitRetryAfter(retry_cap_s, rng),
+        stop=stop_after_attempt(attempts - 1),
+        wait=wait,
         retry=retry_if_exception_type(Refused),
         reraise=True,
     )
