@@ -23,12 +23,11 @@ async def json_response(
 ) -> Response:
     work = asyncio.ensure_future(_complete(gw, flight, attempt, headers))
     gone = asyncio.ensure_future(_disconnected(request))
-    aborting = asyncio.ensure_future(flight.aborted.wait())
+    aborting = flight.aborted
     try:
         done, _ = await asyncio.wait({work, gone, aborting}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-        aborting.cancel()
         if not work.done():
             work.cancel()  # the client left: closing the upstream aborts the work there
     try:

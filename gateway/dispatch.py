@@ -105,13 +105,12 @@ async def _try_once(
         raise DeadlineExceeded(lease.ticket.request_id, lease.ticket.deadline, 0.0, "dispatch")
     lost = pool.lost(view.url)
     sending = asyncio.ensure_future(client.post(view.url, path, body, stream=stream))
-    watching = asyncio.ensure_future(lost.wait())
+    watching = lost
     try:
         done, _ = await asyncio.wait(
             {sending, watching}, timeout=remaining_s, return_when=asyncio.FIRST_COMPLETED
         )
     finally:
-        watching.cancel()
         if not sending.done():
             sending.cancel()
     if sending not in done:

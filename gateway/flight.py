@@ -56,7 +56,9 @@ class Flight:
         self.client_deadline = False  # the deadline is the client's (x-request-timeout)
         self.key_reservation: Reservation | None = None  # under the key's own limits
         self.abort_error: Exception | None = None  # why the gateway cut this request short
-        self.aborted = asyncio.Event()
+        # Done when the gateway cuts the request short: a plain future, so the serving
+        # code waits on it beside its work without a task of its own.
+        self.aborted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.on_finish: Callable[[], None] | None = None  # after settling (the access log)
         self.key_id: str | None = None  # the API key's id (usage by key)
         # The response's status, set by whoever answers (in-band errors override it);
@@ -100,7 +102,7 @@ class Flight:
         if self.finished or self.abort_error is not None:
             return
         self.abort_error = error
-        self.aborted.set()
+        self.aborted.set_result(None)
         for a in self.attempts:
             if a.reading is not None and not a.reading.done():
                 a.reading.cancel()

@@ -13,6 +13,9 @@ from workers.api import WorkerClient
 log = logging.getLogger(__name__)
 
 
+_LOST_STATES = ("unreachable", "stalled")  # a request waiting on such a worker retries
+
+
 class Pool:
     """Replicas serving one model name; requests wait in its fair queue for room."""
 
@@ -41,7 +44,7 @@ class Pool:
         self._tokens: deque[tuple[float, int]] = deque(maxlen=4096)  # (settled, tokens out)
         self.controller = AdmissionController(self.queue, self.has_room, clock, self.slots)
         self._reported: dict[str, str] = {}
-        self._lost: dict[str, asyncio.Event] = {}
+        self._lost: dict[str, asyncio.Future[None]] = {}
 
     def add_member(self, url: str) -> None:
         """A replica joins (a supervisor started it): `loading` until its /load says ready."""
@@ -147,13 +150,17 @@ class Pool:
         if held_s is not None:
             self._service.append((now, held_s))
 
-    def lost(self, url: str) -> asyncio.Event:
-        """Set while the worker at `url` is unreachable or stalled: requests waiting on it
-        for an answer stop waiting (none of the answer reached the client) and retry."""
-        event = self._lost.get(url)
-        if event is None:
-            event = self._lost[url] = asyncio.Event()
-        return event
+    def lost(self, url: str) -> "asyncio.Future[None]":
+        """Done while the worker at `url` is unreachable or stalled: requests waiting on it
+        for an answer stop waiting (none of the answer reached the client) and retry. A
+        future, not an Event, so a request waits on it beside its send without a task."""
+        lost = self._lost.get(url)
+        if lost is None:
+            lost = self._lost[url] = asyncio.get_running_loop().create_future()
+            view = self.views.get(url)
+            if view is None or view.state in _LOST_STATES:
+                lost.set_result(None)
+        return lost
 
     def estimated_wait_s(self, window_s: float = 10.0) -> float:
         """Seconds a request entering the queue now would wait: the requests ahead of it
@@ -215,11 +222,14 @@ class Pool:
             )
             self._reported[view.url] = state
         view.state = state
-        lost = self.lost(view.url)
-        if state in ("unreachable", "stalled"):
-            lost.set()
-        elif lost.is_set():
-            self._lost[view.url] = asyncio.Event()  # waiters on the old event were told
+        lost = self._lost.get(view.url)  # made by the first waiter (none: nobody to tell)
+        if lost is None:
+            pass
+        elif state in _LOST_STATES:
+            if not lost.done():
+                lost.set_result(None)
+        elif lost.done():
+            del self._lost[view.url]  # its waiters were told; the next ones get a new one
 
     def snapshot(self) -> list[dict]:
         return [

@@ -26,7 +26,7 @@ async def stream_response(
 ) -> Response | EventStream:
     body = upstream_body(flight.req, flight.plan, gw.cache_salt(flight.plan.tenant_id))
     opening = asyncio.ensure_future(open_attempt(gw, flight, attempt, body, stream=True))
-    aborting = asyncio.ensure_future(flight.aborted.wait())
+    aborting = flight.aborted
     try:
         done, _ = await asyncio.wait(
             {opening, aborting}, timeout=gw.config.sse_heartbeat_s, return_when="FIRST_COMPLETED"
@@ -34,8 +34,6 @@ async def stream_response(
     except asyncio.CancelledError:
         opening.cancel()
         raise
-    finally:
-        aborting.cancel()
     if aborting in done and opening not in done:
         opening.cancel()
         raise flight.abort_error
@@ -53,7 +51,7 @@ async def stream_response(
 
 
 async def _events_after(gw: Gateway, flight: Flight, attempt: Attempt, opening: asyncio.Future):
-    aborting = asyncio.ensure_future(flight.aborted.wait())
+    aborting = flight.aborted
     try:
         while not opening.done():
             done, _ = await asyncio.wait(
@@ -82,7 +80,6 @@ async def _events_after(gw: Gateway, flight: Flight, attempt: Attempt, opening: 
             yield event
     finally:
         opening.cancel()
-        aborting.cancel()
 
 
 async def _relay_events(gw: Gateway, flight: Flight, attempt: Attempt, upstream: UpstreamResponse):

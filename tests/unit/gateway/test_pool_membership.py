@@ -31,9 +31,9 @@ def test_a_member_added_at_runtime_is_loading_until_ready_and_a_lost_one_wakes_w
         assert pool.has_room()
         lost = pool.lost("http://w1")
         pool.remove_member("http://w1", lost=True)
-        assert lost.is_set() and pool.views == {} and not pool.has_room()
+        assert lost.done() and pool.views == {} and not pool.has_room()
         pool.add_member("http://w1")  # the same port again after a restart: a fresh view
-        assert not pool.lost("http://w1").is_set()
+        assert not pool.lost("http://w1").done()
 
     asyncio.run(main())
 
