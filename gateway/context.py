@@ -50,6 +50,9 @@ class Gateway:
     # `known_key_ttl_s` (a known key keeps working through an outage, an unknown one never).
     known_keys: dict[bytes, tuple[Any, float]] = field(default_factory=dict)
     keys_changed_at: float = 0.0  # an admin change through this process: older entries stale
+    # A key's Redis lookup in progress (digest -> its outcome): the requests that miss the
+    # cache meanwhile wait for it instead of each sending their own.
+    key_lookups: dict[bytes, "asyncio.Future[Any]"] = field(default_factory=dict)
     _background: set[asyncio.Task] = field(default_factory=set)
     flights: set[Any] = field(default_factory=set)  # requests not settled yet (gateway.flight)
 

@@ -1,6 +1,7 @@
 """From an HTTP request to a `Plan`: authenticate the key, decode the body once, then
 route, count and bound it with the pure functions of `gateway.plan`."""
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -78,6 +79,26 @@ async def authenticate_caller(
         and time.monotonic() - cached[1] < gw.config.key_cache_ttl_s
     ):
         return cached[0]  # authenticated against Redis within the last key_cache_ttl_s
+    # Every request of a busy key misses at once when its entry ages: one lookup, in a
+    # task of its own (a caller that leaves does not cancel it for the others).
+    lookup = gw.key_lookups.get(digest)
+    if lookup is None:
+        lookup = asyncio.ensure_future(_look_up_key(gw, plaintext, digest, cached))
+        gw.key_lookups[digest] = lookup
+
+        def looked_up(task: asyncio.Future) -> None:
+            gw.key_lookups.pop(digest, None)
+            if not task.cancelled():
+                task.exception()  # retrieved, even if every caller left
+
+        lookup.add_done_callback(looked_up)
+    return await asyncio.shield(lookup)
+
+
+async def _look_up_key(
+    gw: Gateway, plaintext: str, digest: bytes, cached: tuple | None
+) -> tuple[str | None, Tenant, TenantLimits | None]:
+    """The key's caller from Redis (and into the cache); see `authenticate_caller`."""
     t0 = time.perf_counter()
     try:
         found = await gw.store.authenticate(plaintext)

@@ -1,0 +1,90 @@
+"""A key whose cache entry aged is looked up in Redis once however many of its requests
+arrive meanwhile; they all get that lookup's answer, and a caller that leaves does not
+take it from the others."""
+
+import asyncio
+import random
+from types import SimpleNamespace
+
+from gateway.config import GatewayConfig
+from gateway.intake import authenticate_caller
+from workers.api import ApiError
+
+REQUEST = SimpleNamespace(headers={"authorization": "Bearer sk-test-key"})
+
+
+def gateway(found: object) -> tuple[SimpleNamespace, list, asyncio.Event]:
+    """A gateway whose key store answers `found` once `release` is set."""
+    calls: list[str] = []
+    release = asyncio.Event()
+
+    async def authenticate(plaintext: str) -> object:
+        calls.append(plaintext)
+        await release.wait()
+        return found
+
+    gw = SimpleNamespace(
+        config=GatewayConfig(pools={"small": ["http://w"]}),
+        known_keys={},
+        keys_changed_at=0.0,
+        key_lookups={},
+        store=SimpleNamespace(authenticate=authenticate),
+        metrics=None,
+        rng=random.Random(0),
+    )
+    return gw, calls, release
+
+
+async def settled() -> None:
+    """Let every ready task run until all of them wait (a few loop passes)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_concurrent_misses_share_one_lookup() -> None:
+    record = SimpleNamespace(key_id="k1", limits=None)
+    tenant = SimpleNamespace(tenant_id="acme")
+
+    async def main() -> None:
+        gw, calls, release = gateway((record, tenant))
+        callers = [asyncio.ensure_future(authenticate_caller(gw, REQUEST)) for _ in range(10)]
+        await settled()  # every caller waits, and the lookup has started
+        assert len(calls) == 1
+        callers[0].cancel()  # the first caller leaves: the lookup goes on for the rest
+        await settled()
+        release.set()
+        results = await asyncio.gather(*callers[1:])
+        assert results == [("k1", tenant, None)] * 9 and len(calls) == 1
+        assert gw.key_lookups == {}
+        assert await authenticate_caller(gw, REQUEST) == ("k1", tenant, None)  # cached
+        assert len(calls) == 1
+
+    asyncio.run(main())
+
+
+def test_an_unknown_key_is_refused_to_every_waiting_caller() -> None:
+    async def main() -> None:
+        gw, calls, release = gateway(None)
+        callers = [asyncio.ensure_future(authenticate_caller(gw, REQUEST)) for _ in range(5)]
+        await settled()
+        release.set()
+        results = await asyncio.gather(*callers, return_exceptions=True)
+        assert len(calls) == 1
+        assert all(isinstance(r, ApiError) and r.status == 401 for r in results)
+        assert gw.key_lookups == {}
+
+    asyncio.run(main())
+
+
+def test_an_aged_entry_is_looked_up_again() -> None:
+    record = SimpleNamespace(key_id="k1", limits=None)
+
+    async def main() -> None:
+        gw, calls, release = gateway((record, "tenant"))
+        gw.config = GatewayConfig(pools={"small": ["http://w"]}, key_cache_ttl_s=0.0)
+        release.set()
+        for _ in range(3):
+            await authenticate_caller(gw, REQUEST)
+        assert len(calls) == 3
+
+    asyncio.run(main())
