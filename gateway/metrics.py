@@ -16,6 +16,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 P = "switchyard_gateway_"
@@ -83,6 +84,30 @@ class _PoolCollector(Collector):
                 replicas.add_metric([name, state], num)
         yield depth
         yield replicas
+
+
+class _KeptChildren:
+    """A labelled metric whose children are kept by their label values, so `labels(...)`
+    is one dict lookup after the first time (prometheus-client validates the values and
+    takes a lock on every call: several times per request here). The gateway never
+    removes a child, and every label is of a bounded set (see the module's docstring)."""
+
+    __slots__ = ("_metric", "_children")
+
+    def __init__(self, metric: MetricWrapperBase) -> None:
+        self._metric = metric
+        self._children: dict[tuple, Any] = {}
+
+    def labels(self, *values: str, **by_name: str) -> Any:
+        if by_name:
+            return self._metric.labels(*values, **by_name)
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._metric, name)
 
 
 class GatewayMetrics:
@@ -200,6 +225,9 @@ class GatewayMetrics:
             "How late a 20 ms timer fires on this process's event loop (smoothed).",
             registry=registry,
         )
+        for name, metric in vars(self).items():
+            if isinstance(metric, MetricWrapperBase) and metric._labelnames:
+                setattr(self, name, _KeptChildren(metric))
 
     def watch_pools(self, pools: Callable[[], dict[str, Any]]) -> None:
         """Export queue depth and replicas per pool of `pools()` at scrape time."""
