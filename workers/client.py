@@ -13,7 +13,7 @@ session to its loop), and again if a later call runs on another loop (tests that
 """
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -29,6 +29,17 @@ _TRANSPORT_ERRORS = (aiohttp.ClientError, OSError)
 _JSON = {"content-type": "application/json"}
 _JSON_LINES = b"Content-Type: application/json\r\n"
 _UNPARSED = ("", -1)
+
+
+async def _head(url: str, sending: Awaitable[Any], stream: bool, timeout_s: float) -> Any:
+    """The response of `sending` once its head is in; a stream's within `timeout_s`.
+    Raises WorkerUnavailable when it fails or is late."""
+    try:
+        return await (asyncio.wait_for(sending, timeout_s) if stream else sending)
+    except TimeoutError:
+        raise WorkerUnavailable(url, f"no response within {timeout_s:g} s") from None
+    except (Http1Error, *_TRANSPORT_ERRORS) as exc:
+        raise WorkerUnavailable(url, str(exc) or repr(exc)) from exc
 
 
 def _http_origin(url: str) -> tuple[str, int] | None:
@@ -265,30 +276,11 @@ class WorkerClient:
         origin = self._origins.get(url, _UNPARSED)
         if origin is _UNPARSED:
             origin = self._origins[url] = _http_origin(url)
-        if origin is None:
-            return await self._post_aiohttp(url, path, body, stream, timeout_s)
+        if origin is None:  # https: aiohttp
+            sending = self._http().post(f"{url}{path}", data=body, headers=_JSON)
+            return _AiohttpResponse(await _head(url, sending, stream, timeout_s))
         sending = self._http1.post(origin, path, body, _JSON_LINES)
-        try:
-            if not stream:
-                return UpstreamResponse(await sending)
-            return UpstreamResponse(await asyncio.wait_for(sending, timeout_s))
-        except TimeoutError:
-            raise WorkerUnavailable(url, f"no response within {timeout_s:g} s") from None
-        except Http1Error as exc:
-            raise WorkerUnavailable(url, str(exc) or repr(exc)) from exc
-
-    async def _post_aiohttp(
-        self, url: str, path: str, body: bytes, stream: bool, timeout_s: float
-    ) -> UpstreamResponse:
-        sending = self._http().post(f"{url}{path}", data=body, headers=_JSON)
-        try:
-            if not stream:
-                return _AiohttpResponse(await sending)
-            return _AiohttpResponse(await asyncio.wait_for(sending, timeout_s))
-        except TimeoutError:
-            raise WorkerUnavailable(url, f"no response within {timeout_s:g} s") from None
-        except _TRANSPORT_ERRORS as exc:
-            raise WorkerUnavailable(url, repr(exc)) from exc
+        return UpstreamResponse(await _head(url, sending, stream, timeout_s))
 
     async def drain(
         self, url: str, *, exit_when_empty: bool = False, control_key: str | None = None

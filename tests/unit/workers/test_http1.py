@@ -3,6 +3,7 @@ an aiohttp server for well-formed answers and raw asyncio servers for the ways a
 misbehave (dying mid-body, closing a kept-alive socket as a request arrives)."""
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -57,9 +58,16 @@ async def app_origin() -> AsyncIterator[tuple[App, tuple[str, int]]]:
         await runner.cleanup()
 
 
-async def raw_server(handle: Callable) -> tuple[asyncio.Server, tuple[str, int]]:
+@contextlib.asynccontextmanager
+async def raw_server(handle: Callable) -> AsyncIterator[tuple[Http1Pool, tuple[str, int]]]:
+    """A raw asyncio server running `handle` per connection, and a pool to talk to it."""
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    return server, server.sockets[0].getsockname()[:2]
+    pool = Http1Pool()
+    try:
+        yield pool, server.sockets[0].getsockname()[:2]
+    finally:
+        await pool.aclose()
+        server.close()
 
 
 async def read_request(reader: asyncio.StreamReader) -> bytes:
@@ -119,17 +127,12 @@ async def test_closing_an_unfinished_stream_closes_the_connection() -> None:
             disconnected.set()
         writer.close()
 
-    server, origin = await raw_server(handle)
-    pool = Http1Pool()
-    try:
+    async with raw_server(handle) as (pool, origin):
         r = await pool.post(origin, "/stream", b"{}", JSON)
         assert await anext(r.aiter_raw()) == b"data: 0\n\n"
         r.close()
         await asyncio.wait_for(disconnected.wait(), 10)
         assert pool._idle.get(origin) in (None, [])  # noqa: SLF001 (not kept for reuse)
-    finally:
-        await pool.aclose()
-        server.close()
 
 
 async def test_a_server_dying_mid_body_hands_out_what_arrived_then_fails() -> None:
@@ -139,9 +142,7 @@ async def test_a_server_dying_mid_body_hands_out_what_arrived_then_fails() -> No
         await writer.drain()
         writer.close()
 
-    server, origin = await raw_server(handle)
-    pool = Http1Pool()
-    try:
+    async with raw_server(handle) as (pool, origin):
         r = await pool.post(origin, "/x", b"{}", JSON)
         got = []
         with pytest.raises(Http1Error):
@@ -153,9 +154,6 @@ async def test_a_server_dying_mid_body_hands_out_what_arrived_then_fails() -> No
         with pytest.raises(Http1Error):
             await r2.aread()
         r2.close()
-    finally:
-        await pool.aclose()
-        server.close()
 
 
 async def test_a_body_framed_by_the_close_is_read_whole() -> None:
@@ -165,15 +163,10 @@ async def test_a_body_framed_by_the_close_is_read_whole() -> None:
         await writer.drain()
         writer.close()
 
-    server, origin = await raw_server(handle)
-    pool = Http1Pool()
-    try:
+    async with raw_server(handle) as (pool, origin):
         r = await pool.post(origin, "/x", b"{}", JSON)
         assert await r.aread() == b"all of it"
         r.close()
-    finally:
-        await pool.aclose()
-        server.close()
 
 
 async def test_a_kept_alive_socket_closed_as_a_request_arrives_is_retried_once() -> None:
@@ -192,18 +185,13 @@ async def test_a_kept_alive_socket_closed_as_a_request_arrives_is_retried_once()
             pass
         writer.close()
 
-    server, origin = await raw_server(handle)
-    pool = Http1Pool()
-    try:
+    async with raw_server(handle) as (pool, origin):
         for i in range(2):
             r = await pool.post(origin, "/x", f"{i}".encode(), JSON)
             assert await r.aread() == b"ok"
             r.close()
         assert pool.connects == 2
         assert bodies == [b"0", b"1"]  # the second request was answered once, on socket 2
-    finally:
-        await pool.aclose()
-        server.close()
 
 
 async def test_an_idle_connection_older_than_the_timeout_is_not_reused(app_origin) -> None:
