@@ -188,7 +188,7 @@ class PipelinedRedis:
                 return await conn.send(hiredis.pack_command(args))
             except _DOWN:
                 failures += 1
-                if failures > self.retries:
+                if failures > self.retries or self._closed:
                     raise
                 await asyncio.sleep(self._backoff.compute(failures))
 

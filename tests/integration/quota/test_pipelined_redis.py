@@ -56,6 +56,21 @@ async def test_an_error_reply_fails_only_its_caller(client: PipelinedRedis) -> N
 
 
 @pytest.mark.asyncio
+async def test_a_closed_client_refuses_at_once(redis_server_url: str) -> None:
+    client = PipelinedRedis(redis_server_url, retries=5)
+    assert await client.execute("PING") == b"PONG"
+    await client.aclose()
+
+    class NoBackoff:
+        def compute(self, failures: int) -> float:
+            raise AssertionError("a closed client backed off to retry")
+
+    client._backoff = NoBackoff()  # noqa: SLF001
+    with pytest.raises(RedisConnectionError, match="closed"):
+        await client.execute("PING")
+
+
+@pytest.mark.asyncio
 async def test_a_cancelled_caller_does_not_shift_the_replies(client: PipelinedRedis) -> None:
     first = asyncio.ensure_future(client.execute("ECHO", "abandoned"))
     await asyncio.sleep(0)  # its command is queued on the connection
