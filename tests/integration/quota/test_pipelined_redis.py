@@ -14,6 +14,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from quota.pipelined import PipelinedRedis
 from tests.support.redis_server import RestartableRedis, embedded_redis, restartable_redis
+from tests.support.waiting import settles
 
 SCRIPT = "return {KEYS[1], ARGV[1], redis.call('INCR', KEYS[1])}"
 
@@ -71,12 +72,18 @@ async def test_a_closed_client_refuses_at_once(redis_server_url: str) -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_cancelled_caller_does_not_shift_the_replies(client: PipelinedRedis) -> None:
+async def test_a_cancelled_caller_does_not_shift_the_replies(
+    client: PipelinedRedis, redis_client: redis.asyncio.Redis
+) -> None:
+    assert await client.execute("PING") == b"PONG"  # connected
+    conn = client._conn  # noqa: SLF001
+    # Redis holds every reply until the pause ends: the abandoned one is still to come.
+    await redis_client.execute_command("CLIENT", "PAUSE", "300", "ALL")
     first = asyncio.ensure_future(client.execute("ECHO", "abandoned"))
-    await asyncio.sleep(0)  # its command is queued on the connection
+    await settles(lambda: len(conn.waiting) == 1)  # its command is on the connection
     first.cancel()
     assert await client.execute("ECHO", "next") == b"next"
-    assert first.cancelled()
+    assert first.cancelled() and client.connects == 1
 
 
 @pytest.mark.asyncio

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 from gateway.config import GatewayConfig
 from gateway.intake import authenticate_caller
+from tests.support.waiting import settles
 from workers.api import ApiError
 
 REQUEST = SimpleNamespace(headers={"authorization": "Bearer sk-test-key"})
@@ -27,7 +28,7 @@ def gateway(found: object) -> tuple[SimpleNamespace, list, asyncio.Event]:
         config=GatewayConfig(pools={"small": ["http://w"]}),
         known_keys={},
         keys_changed_at=0.0,
-        key_lookups={},
+        key_lookups=Lookups(),
         store=SimpleNamespace(authenticate=authenticate),
         metrics=None,
         rng=random.Random(0),
@@ -35,10 +36,15 @@ def gateway(found: object) -> tuple[SimpleNamespace, list, asyncio.Event]:
     return gw, calls, release
 
 
-async def settled() -> None:
-    """Let every ready task run until all of them wait (a few loop passes)."""
-    for _ in range(5):
-        await asyncio.sleep(0)
+class Lookups(dict):
+    """`Gateway.key_lookups` that counts the callers who asked it (each caller that misses
+    the cache asks once, just before it joins or starts the lookup)."""
+
+    asked = 0
+
+    def get(self, *args):  # noqa: ANN002, ANN201
+        self.asked += 1
+        return super().get(*args)
 
 
 def test_concurrent_misses_share_one_lookup() -> None:
@@ -48,10 +54,11 @@ def test_concurrent_misses_share_one_lookup() -> None:
     async def main() -> None:
         gw, calls, release = gateway((record, tenant))
         callers = [asyncio.ensure_future(authenticate_caller(gw, REQUEST)) for _ in range(10)]
-        await settled()  # every caller waits, and the lookup has started
+        await settles(lambda: calls)  # the lookup has started
+        await settles(lambda: gw.key_lookups.asked == 10)  # every caller joined it
         assert len(calls) == 1
         callers[0].cancel()  # the first caller leaves: the lookup goes on for the rest
-        await settled()
+        await settles(callers[0].done)
         release.set()
         results = await asyncio.gather(*callers[1:])
         assert results == [("k1", tenant, None)] * 9 and len(calls) == 1
@@ -66,7 +73,7 @@ def test_an_unknown_key_is_refused_to_every_waiting_caller() -> None:
     async def main() -> None:
         gw, calls, release = gateway(None)
         callers = [asyncio.ensure_future(authenticate_caller(gw, REQUEST)) for _ in range(5)]
-        await settled()
+        await settles(lambda: calls and gw.key_lookups.asked == 5)
         release.set()
         results = await asyncio.gather(*callers, return_exceptions=True)
         assert len(calls) == 1
