@@ -1,13 +1,13 @@
 """One Redis connection shared by every request of a gateway process, its commands pipelined.
 
 The quota scripts run twice per request (reserve on the path, reconcile after it). Through
-redis-py's pooled client one call cost 130-150 us of CPU sequentially and 60-90 us with 16
+redis-py's pooled client one call cost 131-151 us of CPU sequentially and 57-90 us with 16
 in flight (connection checkout under a Condition, the retry wrapper, packing, a read per
-reply); here 35-50 us and 6-8 us (an EVALSHA against the same embedded Redis, measured side
-by side in one process). Redis runs commands one at a time, in the order a connection sends them, so
-one connection carries every caller: a command is packed (hiredis), appended to a buffer
-that is written once per event-loop pass (the reconciles of one pass go out in one
-`write`), and its future waits in a FIFO that the replies, parsed by hiredis as they
+reply); here 36-50 us and 6-8 us (an EVALSHA against the same embedded Redis, measured side
+by side in one process). Redis runs commands one at a time, in the order a connection sends
+them, so one connection carries every caller: a command is packed (hiredis), appended to
+a buffer that is written once per event-loop pass (the reconciles of one pass go out in
+one `write`), and its future waits in a FIFO that the replies, parsed by hiredis as they
 arrive, resolve in order.
 
 Failure semantics match `quota.connection.make_redis`, which the limiter's failure policy

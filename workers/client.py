@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 _TRANSPORT_ERRORS = (aiohttp.ClientError, OSError)
 _JSON = {"content-type": "application/json"}
 _JSON_LINES = b"Content-Type: application/json\r\n"
-_UNPARSED = ("", -1)
 
 
 async def _head(url: str, sending: Awaitable[Any], stream: bool, timeout_s: float) -> Any:
@@ -273,9 +272,9 @@ class WorkerClient:
         not yet read (close it). Raises WorkerUnavailable on a transport error, or when a
         streaming request's status does not come within the first-byte timeout."""
         timeout_s = first_byte_timeout_s or self.first_byte_timeout_s
-        origin = self._origins.get(url, _UNPARSED)
-        if origin is _UNPARSED:
-            origin = self._origins[url] = _http_origin(url)
+        if url not in self._origins:
+            self._origins[url] = _http_origin(url)
+        origin = self._origins[url]
         if origin is None:  # https: aiohttp
             sending = self._http().post(f"{url}{path}", data=body, headers=_JSON)
             return _AiohttpResponse(await _head(url, sending, stream, timeout_s))
