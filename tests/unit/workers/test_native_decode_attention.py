@@ -49,7 +49,11 @@ def make_case(seqs, heads, kv_heads, dim, rows, tokens, dtype, seed):
 @pytest.mark.parametrize(
     "dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"]
 )
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (8, 2, 64), (6, 3, 128), (4, 1, 32)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim",
+    # query heads per KV head: 1, 4, 2, 4, and more than one pass over the values (6, 5)
+    [(4, 4, 64), (8, 2, 64), (6, 3, 128), (4, 1, 32), (12, 2, 64), (10, 2, 128)],
+)
 def test_matches_reference_and_appends_the_new_token(kernel, dtype, tol, heads, kv_heads, dim):
     seqs, rows, tokens = 5, 7, 40
     q, k_new, v_new, k_ws, v_ws, lengths = make_case(
@@ -120,8 +124,9 @@ def paged_reference(q, k_cache, v_cache, tables, lengths, block_size, scale):
 @pytest.mark.parametrize(
     "dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"]
 )
-@pytest.mark.parametrize("block_size", [16, 4, 32])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 4, 64), (6, 3, 128), (4, 1, 32)])
+# 5: runs of odd length in the middle of a sequence (bf16 weighs values two keys at a time)
+@pytest.mark.parametrize("block_size", [16, 4, 32, 5])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 4, 64), (6, 3, 128), (4, 1, 32), (12, 2, 64)])
 def test_paged_reads_the_blocks_in_place(paged, dtype, tol, block_size, heads, kv_heads, dim):
     seqs = 5
     q, k_cache, v_cache, tables, lengths = make_paged_case(
