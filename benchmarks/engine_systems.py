@@ -22,6 +22,7 @@ from benchmarks.roofline import (
     measure_bandwidth,
     measure_gemm_flops,
     roofline_s,
+    serial_s,
     step_cost,
 )
 from benchmarks.stats import latency_summary, percentile
@@ -138,11 +139,14 @@ def run_switchyard(spec: dict) -> dict:
     out["num_preemptions"] = engine.scheduler.num_preemptions
     machine = measure_machine(dtype, before)
     roof = sum(roofline_s(c, machine) for c in meter.steps)
+    serial = sum(serial_s(c, machine) for c in meter.steps)
     out.update(
         machine=_machine_dict(machine),
         num_steps=len(meter.steps),
         roofline_s=roof,
         over_roofline=out["elapsed_s"] / roof,
+        serial_s=serial,
+        over_serial=out["elapsed_s"] / serial,
         bytes_moved=sum(c.bytes for c in meter.steps),
         flops=sum(c.flops for c in meter.steps),
     )
@@ -289,6 +293,8 @@ def _against(point: dict, machine: Machine) -> dict:
         "step_ms": step * 1e3,
         "roofline_ms": roofline_s(mid, machine) * 1e3,
         "over_roofline": percentile(ratios, 50),
+        "serial_ms": serial_s(mid, machine) * 1e3,
+        "over_serial": step / serial_s(mid, machine),
         "gflops": mid.flops / step / 1e9,
         "gb_s": mid.bytes / step / 1e9,
     }
@@ -336,6 +342,8 @@ def run_decode(spec: dict) -> dict:
         "step_ms": best * 1e3,
         "roofline_ms": roofline_s(cost, machine) * 1e3,
         "over_roofline": best / roofline_s(cost, machine),
+        "serial_ms": serial_s(cost, machine) * 1e3,
+        "over_serial": best / serial_s(cost, machine),
         "gflops": cost.flops / best / 1e9,
         "fraction_of_peak": cost.flops / best / machine.gemm_flops,
     }

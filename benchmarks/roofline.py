@@ -6,6 +6,10 @@ once per step whatever the batch, every sequence reads its whole KV context once
 writes one K/V per new token, and activations go to memory and back once per layer.
 A scenario's roofline is the sum over its steps; `measured / roofline` says how far the
 engine is from what the memory system and the matrix units allow.
+
+The roofline assumes that memory traffic and arithmetic overlap perfectly. `serial_s` is
+the bound without overlap (bytes / bandwidth + FLOPs / peak): an engine that runs its
+phases one after the other can come near it and no further.
 """
 
 import time
@@ -101,6 +105,13 @@ class Machine:
 
 def roofline_s(cost: StepCost, machine: Machine) -> float:
     return max(cost.bytes / machine.bandwidth, cost.flops / machine.gemm_flops)
+
+
+def serial_s(cost: StepCost, machine: Machine) -> float:
+    """The same step if moving the bytes and computing the FLOPs took turns: what an engine
+    whose phases are each bound by one of the two (the linears by the matrix units, decode
+    attention by memory) needs at best, one phase after the other, on the same cores."""
+    return cost.bytes / machine.bandwidth + cost.flops / machine.gemm_flops
 
 
 def measure_gemm_flops(dtype, size: int = 2048, repeats: int = 6) -> float:

@@ -1,6 +1,6 @@
 """The roofline cost model of `switchyard bench engine` (pure arithmetic)."""
 
-from benchmarks.roofline import Machine, ModelShape, StepCost, roofline_s, step_cost
+from benchmarks.roofline import Machine, ModelShape, StepCost, roofline_s, serial_s, step_cost
 
 SHAPE = ModelShape(
     hidden=512,
@@ -40,3 +40,9 @@ def test_roofline_is_the_larger_of_memory_and_compute_time():
     m = Machine(gemm_flops=1e12, bandwidth=1e10)
     assert roofline_s(StepCost(1e9, 1e9), m) == 0.1
     assert roofline_s(StepCost(1e6, 1e12), m) == 1.0
+
+
+def test_the_no_overlap_bound_adds_memory_and_compute_time():
+    m = Machine(gemm_flops=1e12, bandwidth=1e10)
+    assert serial_s(StepCost(1e9, 1e11), m) == 0.2  # 0.1 s of bytes, then 0.1 s of FLOPs
+    assert serial_s(StepCost(1e9, 1e11), m) == 2 * roofline_s(StepCost(1e9, 1e11), m)
