@@ -7,7 +7,9 @@ machine, the same contexts and the same noise: on a shared machine, separate pro
 minutes apart differ by more than the levers do. Configurations:
 
 - `fast path`: everything on (the engine's defaults on a CPU);
-- `dense weights`: linear weights through `F.linear` instead of oneDNN-packed;
+- `oneDNN weights` (bf16 with our linear kernel): the same weights packed for oneDNN
+  instead of for `workers.native.bf16_linear`; the fast path where that kernel is off;
+- `dense weights`: linear weights through `F.linear` instead of packed;
 - `torch ops`: RMSNorm, rotary and SiLU x gate as torch ops, not the fused kernels;
 - `torch attention`: workspace decode attention in SDPA, not the native kernel;
 - `all torch`: all three off.
@@ -18,7 +20,14 @@ from dataclasses import dataclass
 
 from benchmarks.stats import markdown_table, percentile
 
-CONFIGS = ["fast path", "dense weights", "torch ops", "torch attention", "all torch"]
+CONFIGS = [
+    "fast path",
+    "oneDNN weights",
+    "dense weights",
+    "torch ops",
+    "torch attention",
+    "all torch",
+]
 
 
 @dataclass
@@ -26,6 +35,7 @@ class _Parts:
     """The swappable parts of one engine: each lever's on and off values."""
 
     packed: object
+    onednn: object  # the weights in oneDNN's layout (the packed ones if they are already)
     dense: object
     native_ops: object
     torch_ops: object
@@ -36,29 +46,44 @@ class _Parts:
 
         model, runner = engine.runner.model, engine.runner
         dense = config in ("dense weights", "all torch")
-        model.weights = self.dense if dense else self.packed
+        model.weights = self.packed
+        if dense:
+            model.weights = self.dense
+        elif config == "oneDNN weights":
+            model.weights = self.onednn
         model.linear = dense_linear if dense else packed_linear
         model.ops = self.torch_ops if config in ("torch ops", "all torch") else self.native_ops
         torch_attn = config in ("torch attention", "all torch")
         runner.decode_kernel = None if torch_attn else self.kernel
 
 
-def _unpacked(weights):
+def _unpacked(weights, bf16_linear):
+    """Dense [N, K] weights back from either packing."""
     from workers.model import map_linears
 
-    return map_linears(weights, lambda w: w.to_dense() if w.is_mkldnn else w)
+    def dense(w):
+        if w.dim() == 4:
+            return bf16_linear.unpack(w)
+        return w.to_dense() if w.is_mkldnn else w
+
+    return map_linears(weights, dense)
 
 
 def fast_path_parts(engine) -> _Parts | None:
     """The levers of an engine built with the CPU fast path on; None if it is not."""
-    from workers.model import TorchOps
+    from workers.model import TorchOps, pack_weights
 
     runner, model = engine.runner, engine.runner.model
     if not (runner.packed and runner.fused_ops and runner.decode_kernel is not None):
         return None
+    dense = _unpacked(model.weights, runner.bf16_linear)
+    onednn = model.weights
+    if runner.bf16_linear is not None:
+        onednn = pack_weights(dense)
     return _Parts(
         model.weights,
-        _unpacked(model.weights),
+        onednn,
+        dense,
         model.ops,
         TorchOps(model.cfg.rms_norm_eps),
         runner.decode_kernel,

@@ -5,6 +5,7 @@ linear layers as one matrix; only attention looks at sequence boundaries. Numeri
 transformers' modeling code (RMSNorm in fp32, rotate-half RoPE) so greedy output matches.
 """
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -12,6 +13,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from workers import native
 from workers.attention import AttentionMetadata, paged_attention, write_kv
 from workers.model_config import ModelConfig
 from workers.sampler import argmax_rows
@@ -70,20 +72,52 @@ def map_linears(weights: ModelWeights, fn: Callable[[torch.Tensor], torch.Tensor
     return ModelWeights(weights.embed, layers, weights.norm, fn(weights.lm_head))
 
 
-def pack_weights(weights: ModelWeights) -> ModelWeights:
-    """The same weights with every linear matrix reordered once into oneDNN's blocked
-    layout, for `packed_linear`; embeddings and norms stay dense.
+def pack_weights(weights: ModelWeights, bf16_kernel: "BF16Linear | None" = None) -> ModelWeights:
+    """The same weights with every linear matrix reordered once, for `packed_linear`;
+    embeddings and norms stay dense.
 
-    Dense weights are re-blocked by the GEMM inside every call; decode steps are small
-    enough that this shows. Measured on the bench model by `switchyard bench engine
-    --scenarios levers` (docs/benchmarks/engine-roofline.md): dense weights made fp32
-    decode steps 1.5-1.7x slower at batch 1-64, bf16 1.1-1.45x. bf16 results are the same
-    bits as `F.linear`'s; fp32 ones differ in rounding (oneDNN's blocking, not MKL's).
+    bf16 with `bf16_kernel` (`workers.native.bf16_linear`, a CPU with AVX512-BF16): into
+    its tiles of 64 columns, where the matrix has a multiple of 64 rows (others, and
+    fp32, as below). Measured by `switchyard bench engine --scenarios levers`: decode
+    steps at batch 1-64 against the same weights in oneDNN's layout (below).
+
+    Otherwise into oneDNN's blocked layout. Dense weights are re-blocked by the GEMM
+    inside every call; decode steps are small enough that this shows: dense weights made
+    fp32 decode steps 1.5-1.7x slower at batch 1-64 (docs/benchmarks/engine-roofline.md).
+    fp32 results differ from `F.linear`'s in rounding (oneDNN's blocking, not MKL's).
     """
-    return map_linears(weights, torch.ops.mkldnn._reorder_linear_weight)
+
+    def pack(w: torch.Tensor) -> torch.Tensor:
+        if bf16_kernel is not None and w.dtype == torch.bfloat16 and w.shape[0] % 64 == 0:
+            return bf16_kernel.pack(w)
+        return torch.ops.mkldnn._reorder_linear_weight(w)
+
+    return map_linears(weights, pack)
+
+
+class BF16Linear(Protocol):
+    """`workers.native.bf16_linear()`: bf16 linear layers on weights in its own tiles."""
+
+    def pack(self, w: torch.Tensor) -> torch.Tensor: ...
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor: ...
+
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
+
+@functools.cache
+def _bf16_linear() -> BF16Linear:
+    module = native.bf16_linear()
+    assert module is not None, "a weight in bf16_linear's tiles, but no kernel to run it"
+    return module
 
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b for a weight from `pack_weights`: 4-D = our bf16 tiles, else oneDNN's."""
+    if w.dim() == 4:
+        return _bf16_linear().linear(x, w, bias)
     return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
 
 

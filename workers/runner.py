@@ -130,8 +130,11 @@ class ModelRunner:
             fused = native.fused_ops()
         self.fused_ops = fused is not None
         self.packed = config.packed_weights and can_pack(self.device, self.dtype)
+        self.bf16_linear = None  # the native bf16 linear layers, when the weights use them
         if self.packed:
-            weights = pack_weights(weights)
+            if config.native_kernels and self.dtype == torch.bfloat16:
+                self.bf16_linear = native.bf16_linear()
+            weights = pack_weights(weights, self.bf16_linear)
         self.model = CausalLM(cfg, weights, self.max_model_len, shard, fused, self.packed)
         self.block_size = config.block_size
         per_token = kv_bytes_per_token(cfg, self.dtype)
@@ -197,7 +200,7 @@ class ModelRunner:
             cfg.architecture,
             self.num_parameters / 1e6,
             config.dtype,
-            ", weights packed for oneDNN" if self.packed else "",
+            _packing(self.packed, self.bf16_linear is not None),
             self.device,
             self.num_threads,
             time.perf_counter() - t0,
@@ -346,6 +349,12 @@ class ModelRunner:
             meta.prefills.append(PrefillSeq(row, n, ctx, block_ids, first))
             row += n
         return meta
+
+
+def _packing(packed: bool, native_bf16: bool) -> str:
+    if not packed:
+        return ""
+    return ", weights packed for our bf16 kernel" if native_bf16 else ", weights packed for oneDNN"
 
 
 def _length_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:

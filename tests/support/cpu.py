@@ -17,3 +17,9 @@ def runs_native_prefill(dtype: str) -> bool:
     bf16 the bf16 dot-product instructions too."""
     need = {"avx512f"} | ({"avx512_bf16"} if dtype == "bfloat16" else set())
     return need <= cpu_flags()
+
+
+def has_avx512_bf16() -> bool:
+    """AVX-512 with the bf16 dot-product instructions: what the native bf16 linear
+    layers (`workers.native.bf16_linear`) need."""
+    return {"avx512f", "avx512_bf16"} <= cpu_flags()

@@ -109,12 +109,12 @@ def _kernel(name: str):
     return _build(name)
 
 
-KERNELS = ("decode_attention", "fused_ops", "prefill_attention")
+KERNELS = ("bf16_linear", "decode_attention", "fused_ops", "prefill_attention")
 
 
 def build_all() -> bool:
-    """Build (or load) every kernel now; whether all of them built. prefill_attention is
-    built on any CPU, and its `supports()` says False where it has no code path."""
+    """Build (or load) every kernel now; whether all of them built. prefill_attention and
+    bf16_linear are built on any CPU, and say where they have no code path."""
     return all([_kernel(name) is not None for name in KERNELS])
 
 
@@ -145,3 +145,12 @@ def decode_attention() -> DecodeAttention | None:
     """The workspace decode-attention kernel (`decode_attention.cpp`), or None."""
     module = _kernel("decode_attention")
     return None if module is None else module.decode_attention
+
+
+def bf16_linear():
+    """The bf16 linear-layer module (`bf16_linear.cpp`: pack, unpack, linear), or None:
+    switched off, no build, or a CPU without AVX512-BF16."""
+    module = _kernel("bf16_linear")
+    if module is None or not module.supported():
+        return None
+    return module
