@@ -48,9 +48,10 @@ class EngineConfig:
     # Workspace decodes on the CPU attend through our C++ kernel (`workers.native`) when it
     # builds here, in float32 and bfloat16; False (or SWITCHYARD_NATIVE_KERNELS=0) = torch.
     native_kernels: bool = True
-    # On the CPU, linear weights are reordered once at load into oneDNN's blocked layout
-    # (`workers.model.pack_weights`): faster small-batch matmuls, same memory but for a
-    # packed copy of a tied LM head. False = dense weights through F.linear.
+    # On the CPU, linear weights are reordered once at load (`workers.model.pack_weights`):
+    # bf16 into our kernel's tiles (`workers/native/bf16_linear.cpp`, AVX512-BF16), else
+    # oneDNN's blocked layout. Faster matmuls, same memory but for a packed copy of a tied
+    # LM head. False = dense weights through F.linear.
     packed_weights: bool = True
     threads: int | None = None  # torch intra-op threads; None = CPUs we may run on, at most 8
     scheduler: SchedulerConfig | None = None
