@@ -17,7 +17,11 @@
 //
 // Measured on this machine's 2 cores (Zen 4, bench model shapes, weights of 8 layers
 // cycled so they come from memory as in a decode step): batch 1: 2.33 vs oneDNN's 3.55
-// ms, batch 4: 1.93 vs 2.67, 16: 3.54 vs 4.41, 64: 9.58 vs 10.53, 256: 36.1 vs 37.5.
+// ms, batch 4: 1.93 vs 2.67, 16: 3.54 vs 4.41, 64: 9.58 vs 10.53, 256: 36.1 vs 37.5; a
+// 2,048-token prompt's step: the same (399-412 vs 398-408 ms, alternating in one engine).
+// In the engine, the levers scenario of `switchyard bench engine` (decode steps with our
+// tiles and with oneDNN's): oneDNN's layout 1.50x slower at batch 1, 1.25x at 16, 1.09x
+// at 64 (docs/benchmarks/engine-roofline.md).
 //
 // Numerics: fp32 accumulation (in a different order from oneDNN's), the bias added in
 // fp32, one rounding to bf16 at the end, as torch's bf16 linear.
