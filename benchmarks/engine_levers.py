@@ -7,8 +7,8 @@ machine, the same contexts and the same noise: on a shared machine, separate pro
 minutes apart differ by more than the levers do. Configurations:
 
 - `fast path`: everything on (the engine's defaults on a CPU);
-- `oneDNN weights` (bf16 with our linear kernel): the same weights packed for oneDNN
-  instead of for `workers.native.bf16_linear`; the fast path where that kernel is off;
+- `oneDNN weights`: the same weights packed for oneDNN instead of for our linear
+  kernel (`workers.native.linear`); the fast path where that kernel is off;
 - `dense weights`: linear weights through `F.linear` instead of packed;
 - `torch ops`: RMSNorm, rotary and SiLU x gate as torch ops, not the fused kernels;
 - `torch attention`: workspace decode attention in SDPA, not the native kernel;
@@ -57,14 +57,14 @@ class _Parts:
         runner.decode_kernel = None if torch_attn else self.kernel
 
 
-def _unpacked(weights, bf16_linear):
+def _unpacked(weights, kernel):
     """Dense [N, K] weights back from either packing."""
     from workers.model import map_linears
 
     def dense(w):
-        if w.dim() == 4:
-            return bf16_linear.unpack(w)
-        return w.to_dense() if w.is_mkldnn else w
+        if w.is_mkldnn:
+            return w.to_dense()
+        return kernel.unpack(w) if w.dim() > 2 else w
 
     return map_linears(weights, dense)
 
@@ -76,9 +76,9 @@ def fast_path_parts(engine) -> _Parts | None:
     runner, model = engine.runner, engine.runner.model
     if not (runner.packed and runner.fused_ops and runner.decode_kernel is not None):
         return None
-    dense = _unpacked(model.weights, runner.bf16_linear)
+    dense = _unpacked(model.weights, runner.linear_kernel)
     onednn = model.weights
-    if runner.bf16_linear is not None:
+    if runner.linear_kernel is not None:
         onednn = pack_weights(dense)
     return _Parts(
         model.weights,

@@ -72,31 +72,31 @@ def map_linears(weights: ModelWeights, fn: Callable[[torch.Tensor], torch.Tensor
     return ModelWeights(weights.embed, layers, weights.norm, fn(weights.lm_head))
 
 
-def pack_weights(weights: ModelWeights, bf16_kernel: "BF16Linear | None" = None) -> ModelWeights:
+def pack_weights(weights: ModelWeights, kernel: "NativeLinear | None" = None) -> ModelWeights:
     """The same weights with every linear matrix reordered once, for `packed_linear`;
     embeddings and norms stay dense.
 
-    bf16 with `bf16_kernel` (`workers.native.bf16_linear`, a CPU with AVX512-BF16): into
-    its tiles of 64 columns, where the matrix has a multiple of 64 rows (others, and
-    fp32, as below). Measured by `switchyard bench engine --scenarios levers`: decode
-    steps at batch 1-64 against the same weights in oneDNN's layout (below).
+    With `kernel` (`workers.native.linear`, a CPU with AVX-512; bf16 also AVX512-BF16):
+    into its tiles of 64 columns, where the matrix has a multiple of 64 rows. Measured
+    by `switchyard bench engine --scenarios levers` against the same weights in oneDNN's
+    layout (docs/benchmarks/engine-roofline.md).
 
     Otherwise into oneDNN's blocked layout. Dense weights are re-blocked by the GEMM
     inside every call; decode steps are small enough that this shows: dense weights made
-    fp32 decode steps 1.5-1.7x slower at batch 1-64 (docs/benchmarks/engine-roofline.md).
-    fp32 results differ from `F.linear`'s in rounding (oneDNN's blocking, not MKL's).
+    fp32 decode steps 1.5-1.9x slower at batch 1-64 (the same report). Either packing
+    rounds fp32 differently from `F.linear` (another order of the sums than MKL's).
     """
 
     def pack(w: torch.Tensor) -> torch.Tensor:
-        if bf16_kernel is not None and w.dtype == torch.bfloat16 and w.shape[0] % 64 == 0:
-            return bf16_kernel.pack(w)
+        if kernel is not None and w.shape[0] % 64 == 0 and w.shape[1] % 2 == 0:
+            return kernel.pack(w)
         return torch.ops.mkldnn._reorder_linear_weight(w)
 
     return map_linears(weights, pack)
 
 
-class BF16Linear(Protocol):
-    """`workers.native.bf16_linear()`: bf16 linear layers on weights in its own tiles."""
+class NativeLinear(Protocol):
+    """`workers.native.linear()`: linear layers on weights in its own tiles."""
 
     def pack(self, w: torch.Tensor) -> torch.Tensor: ...
 
@@ -108,17 +108,17 @@ class BF16Linear(Protocol):
 
 
 @functools.cache
-def _bf16_linear() -> BF16Linear:
-    module = native.bf16_linear()
-    assert module is not None, "a weight in bf16_linear's tiles, but no kernel to run it"
+def _native_linear(dtype: torch.dtype) -> NativeLinear:
+    module = native.linear(str(dtype).removeprefix("torch."))
+    assert module is not None, "a weight in workers.native.linear's tiles, but no kernel"
     return module
 
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b for a weight from `pack_weights`: 4-D = our bf16 tiles, else oneDNN's."""
-    if w.dim() == 4:
-        return _bf16_linear().linear(x, w, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    """x W^T + b for a weight from `pack_weights`: oneDNN's layout, or our tiles."""
+    if w.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    return _native_linear(w.dtype).linear(x, w, bias)
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

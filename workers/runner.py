@@ -130,11 +130,11 @@ class ModelRunner:
             fused = native.fused_ops()
         self.fused_ops = fused is not None
         self.packed = config.packed_weights and can_pack(self.device, self.dtype)
-        self.bf16_linear = None  # the native bf16 linear layers, when the weights use them
+        self.linear_kernel = None  # the native linear layers, when the weights use them
         if self.packed:
-            if config.native_kernels and self.dtype == torch.bfloat16:
-                self.bf16_linear = native.bf16_linear()
-            weights = pack_weights(weights, self.bf16_linear)
+            if config.native_kernels and self.dtype in NATIVE_DTYPES:
+                self.linear_kernel = native.linear(str(self.dtype).removeprefix("torch."))
+            weights = pack_weights(weights, self.linear_kernel)
         self.model = CausalLM(cfg, weights, self.max_model_len, shard, fused, self.packed)
         self.block_size = config.block_size
         per_token = kv_bytes_per_token(cfg, self.dtype)
@@ -200,7 +200,7 @@ class ModelRunner:
             cfg.architecture,
             self.num_parameters / 1e6,
             config.dtype,
-            _packing(self.packed, self.bf16_linear is not None),
+            _packing(self.packed, self.linear_kernel is not None),
             self.device,
             self.num_threads,
             time.perf_counter() - t0,
@@ -351,10 +351,10 @@ class ModelRunner:
         return meta
 
 
-def _packing(packed: bool, native_bf16: bool) -> str:
+def _packing(packed: bool, native: bool) -> str:
     if not packed:
         return ""
-    return ", weights packed for our bf16 kernel" if native_bf16 else ", weights packed for oneDNN"
+    return ", weights packed for our linear kernel" if native else ", weights packed for oneDNN"
 
 
 def _length_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:

@@ -52,8 +52,9 @@ def test_bf16_engine_is_close_to_transformers_bf16(arch, workspace, checkpoints,
     assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     if arch == "llama-head64" and runs_native_prefill("bfloat16"):
         assert engine.runner.prefill_kernel is not None  # whole prompts take the native kernel
-    if has_avx512_bf16():  # the linear layers run on our bf16 kernel (o: 64 rows or more)
-        assert engine.runner.model.weights.layers[0].o.dim() == 4
+    if has_avx512_bf16():  # the linear layers run on our kernel (o: 64 rows or more)
+        assert engine.runner.linear_kernel is not None
+        assert not engine.runner.model.weights.layers[0].o.is_mkldnn
     prompts = make_prompts(6, seed=5, lo=10, hi=60)
     reqs = [engine.add_request(prompt_token_ids=p, params=PARAMS) for p in prompts]
     chosen: dict[str, list[float]] = {r.request_id: [] for r in reqs}

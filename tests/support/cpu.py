@@ -20,6 +20,6 @@ def runs_native_prefill(dtype: str) -> bool:
 
 
 def has_avx512_bf16() -> bool:
-    """AVX-512 with the bf16 dot-product instructions: what the native bf16 linear
-    layers (`workers.native.bf16_linear`) need."""
+    """AVX-512 with the bf16 dot-product instructions: what the native linear layers
+    (`workers.native.linear`) need for bf16."""
     return {"avx512f", "avx512_bf16"} <= cpu_flags()

@@ -109,12 +109,12 @@ def _kernel(name: str):
     return _build(name)
 
 
-KERNELS = ("bf16_linear", "decode_attention", "fused_ops", "prefill_attention")
+KERNELS = ("decode_attention", "fused_ops", "linear", "prefill_attention")
 
 
 def build_all() -> bool:
     """Build (or load) every kernel now; whether all of them built. prefill_attention and
-    bf16_linear are built on any CPU, and say where they have no code path."""
+    linear are built on any CPU, and say where they have no code path."""
     return all([_kernel(name) is not None for name in KERNELS])
 
 
@@ -147,10 +147,11 @@ def decode_attention() -> DecodeAttention | None:
     return None if module is None else module.decode_attention
 
 
-def bf16_linear():
-    """The bf16 linear-layer module (`bf16_linear.cpp`: pack, unpack, linear), or None:
-    switched off, no build, or a CPU without AVX512-BF16."""
-    module = _kernel("bf16_linear")
-    if module is None or not module.supported():
+def linear(dtype: str):
+    """The linear-layer module (`linear.cpp`: pack, unpack, linear) for `dtype`
+    ("float32" or "bfloat16"), or None: switched off, no build, or a CPU without AVX-512
+    (bf16: and AVX512-BF16)."""
+    module = _kernel("linear")
+    if module is None or not module.supports(dtype):
         return None
     return module

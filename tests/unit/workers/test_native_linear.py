@@ -1,0 +1,111 @@
+"""The native linear layers against a float64 reference and torch's linear, fp32 and bf16.
+
+On a CPU with AVX-512 (bf16: and AVX512-BF16) the kernel must be built: the test fails,
+not skips, if it is not (the engine would silently run oneDNN's slower small-batch path);
+elsewhere it must say it is absent."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.support.cpu import cpu_flags, has_avx512_bf16
+from workers import native
+from workers.model import LayerWeights, ModelWeights, pack_weights, packed_linear
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+def kernel_for(dtype: torch.dtype):
+    name = str(dtype).removeprefix("torch.")
+    k = native.linear(name)
+    runs = has_avx512_bf16() if dtype == torch.bfloat16 else "avx512f" in cpu_flags()
+    if not runs:
+        assert k is None
+        pytest.skip(f"this CPU cannot run the {name} kernel: checked that it says so")
+    assert k is not None, "the native kernel did not build (see the log)"
+    return k
+
+
+def weights(n, k, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
+
+
+@DTYPES
+def test_packing_round_trips(dtype):
+    kernel = kernel_for(dtype)
+    w = weights(192, 96, dtype, seed=1)
+    packed = kernel.pack(w)
+    if dtype == torch.bfloat16:  # input dims in pairs: one VDPBF16PS each
+        assert packed.shape == (3, 48, 64, 2)
+        assert packed[1, 5, 7].tolist() == w[64 + 7, 10:12].tolist()
+    else:
+        assert packed.shape == (3, 96, 64)
+        assert packed[1, 10, 7].item() == w[64 + 7, 10].item()
+    assert torch.equal(kernel.unpack(packed), w)
+
+
+# 1-5 rows take the kernel's narrow tiles, 6+ its 6-row tile, 7, 65 and 700 (more than one
+# block of rows) both; 700 x 1410 is also more than one block of x.
+@DTYPES
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 64, 65, 700])
+@pytest.mark.parametrize("n,k", [(64, 96), (192, 512), (128, 1410)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_float64_and_torch(dtype, rows, n, k, bias):
+    kernel = kernel_for(dtype)
+    gen = torch.Generator().manual_seed(rows * n + k)
+    w = weights(n, k, dtype, seed=k)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    # x as the model hands rows over: here a view whose rows are apart by more than k.
+    x = torch.randn(rows, k + 6, generator=gen).to(dtype)[:, 3 : 3 + k]
+    got = kernel.linear(x, kernel.pack(w), b)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    exact = x.double() @ w.double().t() + (0 if b is None else b.double())
+    if dtype == torch.bfloat16:  # fp32 sums rounded once: within a bf16 rounding
+        assert torch.allclose(got.double(), exact, rtol=2**-8, atol=1e-3)
+        torch.testing.assert_close(got, F.linear(x, w, b), rtol=2**-7, atol=2e-3)
+    else:
+        assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_refuses_what_it_cannot_run():
+    kernel = kernel_for(torch.float32)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        kernel.pack(weights(100, 64, torch.float32, seed=2))
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        kernel.pack(weights(64, 64, torch.float64, seed=2))
+    packed = kernel.pack(weights(64, 64, torch.float32, seed=2))
+    with pytest.raises(RuntimeError, match="columns"):
+        kernel.linear(torch.randn(2, 32), packed)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        kernel.linear(torch.randn(64, 2).t(), packed)
+    with pytest.raises(RuntimeError, match="dtype"):
+        kernel.linear(torch.randn(2, 64).bfloat16(), packed)
+
+
+@DTYPES
+def test_the_model_packs_what_the_kernel_takes_and_oneDNN_the_rest(dtype):
+    """Matrices with a multiple of 64 rows go to our tiles, any other to oneDNN's layout;
+    `packed_linear` runs each in its own kernel, and both agree with F.linear."""
+    kernel = kernel_for(dtype)
+    layer = LayerWeights(
+        input_norm=torch.ones(128),
+        qkv=weights(192, 128, dtype, 3),
+        qkv_bias=None,
+        q_norm=None,
+        k_norm=None,
+        o=weights(128, 64, dtype, 4),
+        post_norm=torch.ones(128),
+        gate_up=weights(100, 128, dtype, 5),  # 100 rows: not for our tiles
+        down=weights(128, 50, dtype, 6),
+    )
+    model = ModelWeights(torch.zeros(10, 128, dtype=dtype), [layer], torch.ones(128), layer.o)
+    packed = pack_weights(model, kernel).layers[0]
+    assert not packed.qkv.is_mkldnn and not packed.o.is_mkldnn
+    assert packed.gate_up.is_mkldnn
+    x = torch.randn(3, 128).to(dtype)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
+    for name in ("qkv", "gate_up"):
+        want = F.linear(x, getattr(layer, name))
+        torch.testing.assert_close(packed_linear(x, getattr(packed, name), None), want, **tol)
