@@ -4,7 +4,9 @@ Each kernel is C++ built on this machine with torch's extension builder (ninja a
 system C++ compiler, `-O3 -march=native`) into torch's extension cache, the first time it
 is asked for; `python -m workers.native` builds them ahead (`scripts/setup.sh` does), so
 no worker pays the build (about 30 s) at start-up. The build is named after this CPU's
-instruction set, so a cache shared with another kind of CPU is never loaded there.
+instruction set and a hash of its source and flags, so a cache shared with another kind
+of CPU, or holding a build of older source, is never loaded for it; a build that is there
+is imported directly, without torch's build lock.
 
 A machine without a compiler, a failed build, `SWITCHYARD_NATIVE_KERNELS=0`, or a tensor
 not on the CPU gets the torch implementation instead; the log says which and why, once.
@@ -78,22 +80,58 @@ def _clear_stale_lock(build_dir: Path) -> None:
         pass
 
 
+def _module_name(name: str) -> str:
+    """The extension's name: the kernel's, this CPU's instruction set, and a hash of what
+    its build depends on (the source, the flags, torch's version), so that a build of
+    other source is never taken for this one and a built one can be imported as it is."""
+    import torch
+
+    source = (SOURCE_DIR / f"{name}.cpp").read_bytes()
+    what = b"\n".join([source, " ".join(CFLAGS).encode(), torch.__version__.encode()])
+    return f"switchyard_{name}_{_cpu_tag()}_{hashlib.sha1(what).hexdigest()[:10]}"
+
+
+def _import_built(module_name: str, build_dir: Path):
+    """The extension from its build directory if it was built there, else None.
+
+    This takes no lock and runs no ninja: torch's `load` does both even for an extension
+    that is up to date, so a worker killed in that window (a replica stopped while it
+    starts) left a lock that hung every later start, and each start paid the check."""
+    import importlib.util
+
+    path = build_dir / f"{module_name}.so"
+    if not path.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except Exception as exc:  # a build cut short: build it again
+        log.warning("native kernel %s could not be imported (%s); rebuilding", path, exc)
+        return None
+    return module
+
+
 @functools.cache
 def _build(name: str):
     """Build (or load from the cache) one extension; None, logged, when it cannot be built."""
     from torch.utils.cpp_extension import _get_build_directory, load
 
-    _ensure_ninja()
-    module_name = f"switchyard_{name}_{_cpu_tag()}"
     t0 = time.perf_counter()
     try:
-        _clear_stale_lock(Path(_get_build_directory(module_name, verbose=False)))
-        module = load(
-            name=module_name,
-            sources=[str(SOURCE_DIR / f"{name}.cpp")],
-            extra_cflags=CFLAGS,
-            verbose=False,
-        )
+        module_name = _module_name(name)
+        build_dir = Path(_get_build_directory(module_name, verbose=False))
+        module = _import_built(module_name, build_dir)
+        if module is None:
+            _ensure_ninja()
+            _clear_stale_lock(build_dir)
+            module = load(
+                name=module_name,
+                sources=[str(SOURCE_DIR / f"{name}.cpp")],
+                extra_cflags=CFLAGS,
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, no ninja, a compile error: torch's path runs
         log.warning("native kernel %s unavailable, using torch's: %s", name, exc)
         return None

@@ -1,7 +1,8 @@
-"""How `workers.native` builds: a lock left by a killed build does not hang the next one."""
+"""How `workers.native` builds: a lock left by a killed build or start hangs no later one."""
 
 import os
 import time
+from pathlib import Path
 
 from workers import native
 
@@ -28,3 +29,32 @@ def test_switched_off_by_the_environment(monkeypatch):
         assert not native.build_all()
     monkeypatch.setenv(native.DISABLE_ENV, "1")
     assert native.enabled()
+
+
+def test_a_built_kernel_is_imported_past_any_build_lock():
+    """torch's `load` takes the build lock even to find a build up to date; a worker killed
+    there left a lock that hung every later start. A kernel that is built is imported
+    directly, whatever lock lies beside it."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    assert native.fused_ops() is not None  # built (scripts/setup.sh builds them ahead)
+    name = native._module_name("fused_ops")
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    lock = build_dir / "lock"
+    lock.touch()  # as a killed start leaves it: fresh, so not cleared as stale
+    try:
+        module = native._import_built(name, build_dir)
+        assert module is not None and hasattr(module, "silu_mul")
+    finally:
+        lock.unlink(missing_ok=True)
+    assert native._import_built(name + "_never_built", build_dir) is None
+
+
+def test_a_kernel_is_named_after_its_source(tmp_path, monkeypatch):
+    """A build of older source is never imported for the current one."""
+    before = native._module_name("fused_ops")
+    source = (native.SOURCE_DIR / "fused_ops.cpp").read_text()
+    (tmp_path / "fused_ops.cpp").write_text(source + "\n// changed\n")
+    monkeypatch.setattr(native, "SOURCE_DIR", tmp_path)
+    after = native._module_name("fused_ops")
+    assert after != before and after.startswith("switchyard_fused_ops_")
