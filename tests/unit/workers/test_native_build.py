@@ -31,23 +31,30 @@ def test_switched_off_by_the_environment(monkeypatch):
     assert native.enabled()
 
 
-def test_a_built_kernel_is_imported_past_any_build_lock():
+def test_a_built_kernel_is_loaded_past_any_build_lock():
     """torch's `load` takes the build lock even to find a build up to date; a worker killed
-    there left a lock that hung every later start. A kernel that is built is imported
-    directly, whatever lock lies beside it."""
+    there left a lock that hung every later start. A kernel that is built is loaded
+    (`_build`, the path every worker takes) whatever lock lies beside it."""
+    import threading
+
     from torch.utils.cpp_extension import _get_build_directory
 
     assert native.fused_ops() is not None  # built (scripts/setup.sh builds them ahead)
     name = native._module_name("fused_ops")
-    build_dir = Path(_get_build_directory(name, verbose=False))
-    lock = build_dir / "lock"
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
     lock.touch()  # as a killed start leaves it: fresh, so not cleared as stale
-    try:
-        module = native._import_built(name, build_dir)
-        assert module is not None and hasattr(module, "silu_mul")
+    loaded = []
+    try:  # uncached, as a new worker process calls it; in a thread: the old path hung
+        worker = threading.Thread(
+            target=lambda: loaded.append(native._build.__wrapped__("fused_ops")), daemon=True
+        )
+        worker.start()
+        worker.join(60)
+        assert not worker.is_alive(), "loading a built kernel waited on the build lock"
     finally:
         lock.unlink(missing_ok=True)
-    assert native._import_built(name + "_never_built", build_dir) is None
+    assert loaded and hasattr(loaded[0], "silu_mul")
+    assert native._import_built(name + "_never_built", lock.parent) is None
 
 
 def test_a_kernel_is_named_after_its_source(tmp_path, monkeypatch):
