@@ -20,12 +20,14 @@
 //
 // Measured on this machine's 2 cores (Zen 4; the bench model's shapes, weights of 8
 // layers cycled so they come from memory as in a decode step), ours vs oneDNN's packed:
-//   bf16: batch 1 2.33 vs 3.55 ms, 4: 1.93 vs 2.67, 16: 3.54 vs 4.41, 64: 9.58 vs 10.53,
-//         256: 36.1 vs 37.5; a 2,048-token prompt's step the same (399-412 vs 398-408 ms);
-//   fp32: batch 1 4.32 vs 6.22 ms, 4: 3.82 vs 5.50, 16: 6.32 vs 7.48, 64: 21.2 vs 22.2,
-//         256: 74.5 vs 75.7.
-// In the engine: the levers scenario of `switchyard bench engine` (decode steps on our
-// tiles and on oneDNN's; docs/benchmarks/engine-roofline.md).
+//   bf16: batch 1 2.27 vs 3.73 ms, 4: 2.71 vs 4.15, 16: 4.29 vs 5.59, 64: 10.8 vs 13.4,
+//         256: 39.6 vs 39.3;
+//   fp32: batch 1 3.80 vs 6.03 ms, 4: 3.79 vs 5.49, 16: 8.73 vs 9.15, 64: 20.2 vs 20.0,
+//         256: 81.5 vs 83.3;
+// a 2,048-token prompt's step, alternating in one engine (best three of six): bf16
+// 421-450 vs 409-482 ms, fp32 736-764 vs 740-751. In the engine: the levers scenario of
+// `switchyard bench engine` (decode steps on our tiles and on oneDNN's;
+// docs/benchmarks/engine-roofline.md).
 //
 // Numerics: fp32 accumulation (in a different order from oneDNN's), the bias added in
 // fp32, bf16 rounded once at the end, as torch's linear.
