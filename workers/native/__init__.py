@@ -82,12 +82,14 @@ def _clear_stale_lock(build_dir: Path) -> None:
 
 def _module_name(name: str) -> str:
     """The extension's name: the kernel's, this CPU's instruction set, and a hash of what
-    its build depends on (the source, the flags, torch's version), so that a build of
-    other source is never taken for this one and a built one can be imported as it is."""
+    its build depends on (the source, the shared headers, the flags, torch's version), so
+    that a build of other source is never taken for this one and a built one can be
+    imported as it is."""
     import torch
 
     source = (SOURCE_DIR / f"{name}.cpp").read_bytes()
-    what = b"\n".join([source, " ".join(CFLAGS).encode(), torch.__version__.encode()])
+    headers = [path.read_bytes() for path in sorted(SOURCE_DIR.glob("*.h"))]
+    what = b"\n".join([source, *headers, " ".join(CFLAGS).encode(), torch.__version__.encode()])
     return f"switchyard_{name}_{_cpu_tag()}_{hashlib.sha1(what).hexdigest()[:10]}"
 
 

@@ -30,6 +30,8 @@
 #include <immintrin.h>
 #endif
 
+#include "vec_math.h"
+
 namespace {
 
 inline float load(const float* p) { return *p; }
@@ -47,6 +49,9 @@ inline void store(at::BFloat16* p, float x) { *p = at::BFloat16(x); }
 
 // s[0..L) <- exp(s - max(s)) in place; returns 1 / their sum.
 inline float softmax_unnormalised(float* s, int64_t L) {
+#if defined(__AVX512F__)
+  return 1.f / switchyard::exp_sum(s, L, switchyard::row_max(s, L), s);
+#else
   float m = s[0];
   for (int64_t t = 1; t < L; ++t) m = std::max(m, s[t]);
   float sum = 0.f;
@@ -56,6 +61,7 @@ inline float softmax_unnormalised(float* s, int64_t L) {
     sum += s[t];
   }
   return 1.f / sum;
+#endif
 }
 
 // A run of n keys stored contiguously (D values each), and their values likewise: a
@@ -550,7 +556,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Te
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "decode attention over the workspace");
+  m.def("decode_attention", &decode_attention, "decode attention over the workspace",
+        py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over the paged cache, in place");
+        "decode attention over the paged cache, in place", py::call_guard<py::gil_scoped_release>());
 }

@@ -265,5 +265,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "an [N, K] weight into the kernel's tiles");
   m.def("unpack", &unpack, "a packed weight back to [N, K]");
   m.def("linear", &linear, "x W^T + b, W packed", py::arg("x"), py::arg("packed"),
-        py::arg("bias") = py::none());
+        py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
 }

@@ -33,6 +33,8 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+#include "vec_math.h"
 #define SWITCHYARD_PREFILL 1  // fp32
 #if defined(__AVX512BF16__)
 #define SWITCHYARD_PREFILL_BF16 1
@@ -216,17 +218,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float sc
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t n = len(r);
         float* s = scores.data() + r * width;
-        float m = s[0];
-        for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; ++j) {
-          s[j] = std::exp(s[j] - m);
-          sum += s[j];
-        }
-        sums[r] = sum;
         T* pr = probs.data() + r * pwidth;
-        for (int64_t j = 0; j < n; ++j) put(pr + j, s[j]);
+        sums[r] = switchyard::exp_sum(s, n, switchyard::row_max(s, n), pr);
         std::fill(pr + n, pr + std::min(pwidth, n + 2 * R + 2), T(0));
       }
       const T* prow[R];
@@ -299,5 +292,6 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supports", &supports, "whether this build runs a dtype at a head dim");
-  m.def("prefill_attention", &prefill_attention, "causal attention of a prompt chunk");
+  m.def("prefill_attention", &prefill_attention, "causal attention of a prompt chunk",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -73,6 +73,21 @@ def test_matches_reference_and_appends_the_new_token(kernel, dtype, tol, heads, 
     assert torch.allclose(got, expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("scale", [4.0, 40.0])
+def test_peaked_scores_match_the_reference(kernel, scale):
+    """Scores hundreds apart: the vector exp must give 0 far below a row's max (not a
+    denormal, not NaN) and keep the rows whose probabilities are near one-hot exact."""
+    seqs, heads, kv_heads, dim, tokens = 4, 8, 4, 64, 70
+    q, k_new, v_new, k_ws, v_ws, lengths = make_case(
+        seqs, heads, kv_heads, dim, seqs, tokens, torch.float32, seed=int(scale)
+    )
+    out = torch.empty(seqs, heads, dim)
+    kernel(q, k_new, v_new, k_ws, v_ws, lengths, scale, out)
+    assert torch.isfinite(out).all()
+    expected = reference(q, k_ws, v_ws, lengths, scale)
+    assert torch.allclose(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_refuses_shapes_it_would_read_past(kernel):
     q, k_new, v_new, k_ws, v_ws, lengths = make_case(3, 4, 2, 64, 3, 8, torch.float32, seed=1)
     out = torch.empty_like(q)

@@ -93,6 +93,23 @@ def test_matches_float64_reference_as_closely_as_sdpa(dtype, nq, nk, heads, kv_h
         assert (out.float() - theirs.float()).abs().mean().item() < 2e-3
 
 
+@DTYPES
+@pytest.mark.parametrize("scale", [4.0, 40.0])
+def test_peaked_scores_match_the_reference(dtype, scale):
+    """Scores hundreds apart: the vector exp must give 0 far below a row's max (not a
+    denormal, not NaN) and keep the near one-hot rows as the reference has them."""
+    kernel = kernel_for(dtype)
+    q, k, v = make_case(45, 60, 8, 4, 64, dtype, seed=int(scale))
+    out = torch.full_like(q, float("nan"))
+    kernel(q, k, v, scale, out)
+    assert torch.isfinite(out.float()).all()
+    want = reference(q, k, v, scale)
+    err = (out.double() - want).abs().max().item()
+    # Scores this large carry fp32's rounding into the exponent: SDPA errs as much.
+    sdpa_err = (sdpa(q, k, v, scale).double() - want).abs().max().item()
+    assert err <= max(2 * sdpa_err, 1e-5 if dtype == "float32" else 2e-2), (err, sdpa_err)
+
+
 def test_refuses_what_it_cannot_run():
     kernel = kernel_for("float32")
     q, k, v = make_case(8, 8, 8, 4, 64, "float32", seed=0)

@@ -1,0 +1,77 @@
+// Vector math shared by the native kernels (AVX-512): exp and the pieces of a softmax.
+//
+// A row's softmax was a scalar max, an `omp simd` loop of std::exp and a scalar loop
+// rounding the probabilities to bf16; in the prompt-attention kernel that was 40% of a
+// 272-token prompt's time. These are one vector pass for the max and one for exp, sum and
+// the store (272 tokens: 0.48 -> 0.37 ms, alternating in one process).
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include <cstdint>
+#include <limits>
+
+namespace switchyard {
+
+// exp(x) in 16 lanes: 2^n p(r) with x = n ln2 + r, |r| <= ln2 / 2 and p the degree-6
+// Taylor polynomial (relative error under 2e-7, 1-2 ulp, as torch's vectorised exp);
+// x below -87.3 gives 0 (a score that far below its row's max), x above 88.3 saturates.
+inline __m512 exp16(__m512 x) {
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - n ln2, with ln2 in two parts so that r keeps its low bits.
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
+}
+
+// The lanes of a 16-wide step with `left` elements still to go.
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// The max of s[0..n), n >= 1.
+inline float row_max(const float* s, int64_t n) {
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < n; j += 16)
+    m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, tail_mask(n - j), s + j));
+  return _mm512_reduce_max_ps(m);
+}
+
+inline void store_masked(float* out, __mmask16 k, __m512 v) { _mm512_mask_storeu_ps(out, k, v); }
+
+#if defined(__AVX512BF16__)
+// bf16 bits, rounded to nearest even (as c10::BFloat16).
+inline void store_masked(uint16_t* out, __mmask16 k, __m512 v) {
+  _mm256_mask_storeu_epi16(out, k, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+#endif
+
+// out[0..n) <- exp(s[0..n) - m), out fp32 (it may be s) or bf16 bits; returns the sum of
+// the fp32 values.
+template <typename T>
+inline float exp_sum(const float* s, int64_t n, float m, T* out) {
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 k = tail_mask(n - j);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mv));
+    sum = _mm512_mask_add_ps(sum, k, sum, e);
+    store_masked(out + j, k, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+}  // namespace switchyard
+
+#endif  // __AVX512F__
