@@ -14,7 +14,7 @@ import torch
 from workers import native
 
 # Entry points that only answer a question or move a weight once at load.
-AT_LOAD = {"supports", "pack", "unpack"}
+AT_LOAD = {"supports", "pack", "pack_gated", "unpack"}
 
 
 def test_every_kernel_entry_point_releases_the_gil():

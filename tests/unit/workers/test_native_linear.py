@@ -109,3 +109,89 @@ def test_the_model_packs_what_the_kernel_takes_and_oneDNN_the_rest(dtype):
     for name in ("qkv", "gate_up"):
         want = F.linear(x, getattr(layer, name))
         torch.testing.assert_close(packed_linear(x, getattr(packed, name), None), want, **tol)
+
+
+def silu_mul_reference(x, w):
+    """silu(x W_gate^T) * (x W_up^T) in float64, W = [gate; up]."""
+    gate, up = (x.double() @ w.double().t()).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@DTYPES
+def test_gated_packing_round_trips(dtype):
+    kernel = kernel_for(dtype)
+    w = weights(256, 96, dtype, seed=7)
+    packed = kernel.pack_gated(w)
+    pair = 2 if dtype == torch.bfloat16 else 1
+    assert packed.shape == (2, 2, 96 // pair, 64, pair)  # (gate tile, up tile) pairs
+    # [pair, gate or up, input step, column, dim of the step]: up's row 64 + 7 of the 128
+    assert packed[1, 1, 3, 7, pair - 1].item() == w[128 + 64 + 7, 3 * pair + pair - 1].item()
+    assert torch.equal(kernel.unpack(packed), w)
+    with pytest.raises(RuntimeError, match="halves of a multiple of 64"):
+        kernel.pack_gated(weights(192, 96, dtype, seed=7))  # halves of 96 rows
+
+
+@DTYPES
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 64, 65, 700])
+@pytest.mark.parametrize("n,k", [(128, 96), (384, 1410)])
+def test_linear_silu_is_the_two_pass_mlp_up(dtype, rows, n, k):
+    """One pass through the (gate, up) pairs gives silu(gate) * up: within the two-pass
+    path's own error of float64 in fp32, and the same bits as it in bf16 (it rounds gate,
+    up and SiLU where the two-pass path stores them)."""
+    kernel, fused = kernel_for(dtype), native.fused_ops()
+    assert fused is not None
+    gen = torch.Generator().manual_seed(rows + n + k)
+    w = weights(n, k, dtype, seed=k + 1)
+    x = torch.randn(rows, k + 6, generator=gen).to(dtype)[:, 3 : 3 + k]
+    got = kernel.linear_silu(x, kernel.pack_gated(w))
+    two_pass = fused.silu_mul(kernel.linear(x, kernel.pack(w)))
+    assert got.dtype == dtype and got.shape == (rows, n // 2)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, two_pass)
+    else:
+        exact = silu_mul_reference(x, w)
+        assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, two_pass, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_silu_refuses_what_it_cannot_run():
+    kernel = kernel_for(torch.float32)
+    plain = kernel.pack(weights(128, 64, torch.float32, seed=2))
+    with pytest.raises(RuntimeError, match="pack_gated"):
+        kernel.linear_silu(torch.randn(2, 64), plain)
+    gated = kernel.pack_gated(weights(128, 64, torch.float32, seed=2))
+    with pytest.raises(RuntimeError, match="columns"):
+        kernel.linear_silu(torch.randn(2, 32), gated)
+    with pytest.raises(RuntimeError, match="dtype"):
+        kernel.linear_silu(torch.randn(2, 64).bfloat16(), gated)
+
+
+@DTYPES
+@pytest.mark.parametrize("intermediate", [128, 50])
+def test_the_model_runs_its_mlp_up_in_one_pass_where_it_can(dtype, intermediate):
+    """A gate_up whose halves are a multiple of 64 rows goes into tile pairs and runs in
+    one pass (`gated_mlp_up`); another goes to oneDNN and through silu_mul: both agree
+    with silu(gate) * up."""
+    from workers.model import TorchOps, gated_mlp_up
+
+    kernel = kernel_for(dtype)
+    gate_up = weights(2 * intermediate, 128, dtype, 5)
+    layer = LayerWeights(
+        input_norm=torch.ones(128),
+        qkv=weights(192, 128, dtype, 3),
+        qkv_bias=None,
+        q_norm=None,
+        k_norm=None,
+        o=weights(128, 64, dtype, 4),
+        post_norm=torch.ones(128),
+        gate_up=gate_up,
+        down=weights(128, intermediate, dtype, 6),
+    )
+    model = ModelWeights(torch.zeros(10, 128, dtype=dtype), [layer], torch.ones(128), layer.o)
+    packed = pack_weights(model, kernel).layers[0].gate_up
+    assert packed.dim() == (5 if intermediate % 64 == 0 else 2)
+    assert packed.is_mkldnn == (intermediate % 64 != 0)
+    x = torch.randn(9, 128).to(dtype)
+    got = gated_mlp_up(x, packed, packed_linear, TorchOps(1e-6))
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got.double(), silu_mul_reference(x, gate_up), **tol)
