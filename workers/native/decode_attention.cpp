@@ -556,8 +556,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Te
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "decode attention over the workspace",
-        py::call_guard<py::gil_scoped_release>());
+  m.def("decode_attention", &decode_attention, "decode attention over the workspace");
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over the paged cache, in place", py::call_guard<py::gil_scoped_release>());
+        "decode attention over the paged cache, in place");
 }

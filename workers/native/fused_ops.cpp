@@ -332,16 +332,10 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm of rows",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("add_rms_norm_", &add_rms_norm_, "h += residual, then RMSNorm of h's rows",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("rope", &rope, "rotate-half rotary embedding of q and k",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("silu_mul", &silu_mul, "silu(gate) * up",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("write_kv", &write_kv, "store new keys and values into their paged-cache slots",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(dim=-1)",
-        py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "RMSNorm of rows");
+  m.def("add_rms_norm_", &add_rms_norm_, "h += residual, then RMSNorm of h's rows");
+  m.def("rope", &rope, "rotate-half rotary embedding of q and k");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("write_kv", &write_kv, "store new keys and values into their paged-cache slots");
+  m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(dim=-1)");
 }

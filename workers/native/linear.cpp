@@ -392,7 +392,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_gated", &pack_gated, "an MLP's [2 I, K] gate_up into (gate, up) tile pairs");
   m.def("unpack", &unpack, "a packed weight (pack or pack_gated) back to [N, K]");
   m.def("linear", &linear, "x W^T + b, W packed", py::arg("x"), py::arg("packed"),
-        py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
-  m.def("linear_silu", &linear_silu, "silu(x W_gate^T) * (x W_up^T), W from pack_gated",
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("bias") = py::none());
+  m.def("linear_silu", &linear_silu, "silu(x W_gate^T) * (x W_up^T), W from pack_gated");
 }

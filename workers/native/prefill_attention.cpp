@@ -292,6 +292,5 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supports", &supports, "whether this build runs a dtype at a head dim");
-  m.def("prefill_attention", &prefill_attention, "causal attention of a prompt chunk",
-        py::call_guard<py::gil_scoped_release>());
+  m.def("prefill_attention", &prefill_attention, "causal attention of a prompt chunk");
 }
