@@ -88,7 +88,7 @@ def pack_weights(weights: ModelWeights, kernel: "NativeLinear | None" = None) ->
 
     Otherwise into oneDNN's blocked layout. Dense weights are re-blocked by the GEMM
     inside every call; decode steps are small enough that this shows: dense weights made
-    decode steps 1.6-2.3x slower at batch 1-64 in fp32, 1.2-1.9x in bf16, than our
+    decode steps 1.4-3.3x slower at batch 1-64 in fp32, 1.3-2.2x in bf16, than our
     tiles (the same report). Either packing
     rounds fp32 differently from `F.linear` (another order of the sums than MKL's).
     """
