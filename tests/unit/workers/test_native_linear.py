@@ -84,11 +84,9 @@ def test_refuses_what_it_cannot_run():
         kernel.linear(torch.randn(2, 64).bfloat16(), packed)
 
 
-@DTYPES
-def test_the_model_packs_what_the_kernel_takes_and_oneDNN_the_rest(dtype):
-    """Matrices with a multiple of 64 rows go to our tiles, any other to oneDNN's layout;
-    `packed_linear` runs each in its own kernel, and both agree with F.linear."""
-    kernel = kernel_for(dtype)
+def one_layer_model(dtype, intermediate: int) -> tuple[LayerWeights, ModelWeights]:
+    """A model of one layer, hidden 128: qkv 192 rows and o 128 (both for our tiles),
+    gate_up 2 x intermediate rows, down 128 x intermediate."""
     layer = LayerWeights(
         input_norm=torch.ones(128),
         qkv=weights(192, 128, dtype, 3),
@@ -97,10 +95,18 @@ def test_the_model_packs_what_the_kernel_takes_and_oneDNN_the_rest(dtype):
         k_norm=None,
         o=weights(128, 64, dtype, 4),
         post_norm=torch.ones(128),
-        gate_up=weights(100, 128, dtype, 5),  # 100 rows: not for our tiles
-        down=weights(128, 50, dtype, 6),
+        gate_up=weights(2 * intermediate, 128, dtype, 5),
+        down=weights(128, intermediate, dtype, 6),
     )
-    model = ModelWeights(torch.zeros(10, 128, dtype=dtype), [layer], torch.ones(128), layer.o)
+    return layer, ModelWeights(torch.zeros(10, 128, dtype=dtype), [layer], torch.ones(128), layer.o)
+
+
+@DTYPES
+def test_the_model_packs_what_the_kernel_takes_and_oneDNN_the_rest(dtype):
+    """Matrices with a multiple of 64 rows go to our tiles, any other to oneDNN's layout;
+    `packed_linear` runs each in its own kernel, and both agree with F.linear."""
+    kernel = kernel_for(dtype)
+    layer, model = one_layer_model(dtype, intermediate=50)  # gate_up 100 rows: not our tiles
     packed = pack_weights(model, kernel).layers[0]
     assert not packed.qkv.is_mkldnn and not packed.o.is_mkldnn
     assert packed.gate_up.is_mkldnn
@@ -175,19 +181,8 @@ def test_the_model_runs_its_mlp_up_in_one_pass_where_it_can(dtype, intermediate)
     from workers.model import TorchOps, gated_mlp_up
 
     kernel = kernel_for(dtype)
-    gate_up = weights(2 * intermediate, 128, dtype, 5)
-    layer = LayerWeights(
-        input_norm=torch.ones(128),
-        qkv=weights(192, 128, dtype, 3),
-        qkv_bias=None,
-        q_norm=None,
-        k_norm=None,
-        o=weights(128, 64, dtype, 4),
-        post_norm=torch.ones(128),
-        gate_up=gate_up,
-        down=weights(128, intermediate, dtype, 6),
-    )
-    model = ModelWeights(torch.zeros(10, 128, dtype=dtype), [layer], torch.ones(128), layer.o)
+    layer, model = one_layer_model(dtype, intermediate)
+    gate_up = layer.gate_up
     packed = pack_weights(model, kernel).layers[0].gate_up
     assert packed.dim() == (5 if intermediate % 64 == 0 else 2)
     assert packed.is_mkldnn == (intermediate % 64 != 0)
