@@ -60,12 +60,22 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def map_linears(weights: ModelWeights, fn: Callable[[torch.Tensor], torch.Tensor]) -> ModelWeights:
+def map_linears(
+    weights: ModelWeights,
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    gate_up_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> ModelWeights:
     """The same weights with `fn` applied to every linear matrix (qkv, o, gate_up, down,
-    the LM head); embeddings, norms and biases as they are."""
+    the LM head), gate_up through `gate_up_fn` if given; embeddings, norms and biases as
+    they are."""
+    gate_up_fn = gate_up_fn or fn
     layers = [
         replace(
-            layer, qkv=fn(layer.qkv), o=fn(layer.o), gate_up=fn(layer.gate_up), down=fn(layer.down)
+            layer,
+            qkv=fn(layer.qkv),
+            o=fn(layer.o),
+            gate_up=gate_up_fn(layer.gate_up),
+            down=fn(layer.down),
         )
         for layer in weights.layers
     ]
@@ -103,10 +113,7 @@ def pack_weights(weights: ModelWeights, kernel: "NativeLinear | None" = None) ->
             return kernel.pack_gated(w)
         return pack(w)
 
-    packed = map_linears(weights, pack)
-    for layer, dense in zip(packed.layers, weights.layers, strict=True):
-        layer.gate_up = pack_gate_up(dense.gate_up)
-    return packed
+    return map_linears(weights, pack, pack_gate_up)
 
 
 class NativeLinear(Protocol):

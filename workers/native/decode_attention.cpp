@@ -183,13 +183,6 @@ void task_avx512(const T* q_heads, int64_t q_stride, int64_t G, const Run<T>* ru
 #if defined(__AVX512BF16__)
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 
-inline uint16_t bf16_bits(float x) {  // round to nearest even, as c10::BFloat16
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 inline uint32_t pair_at(const uint16_t* p) {
   uint32_t x;
   std::memcpy(&x, p, sizeof x);
@@ -258,14 +251,9 @@ void task_bf16(const uint16_t* q_heads, int64_t q_stride, int64_t G, const Run<u
       }
       sg += n;
     }
-    float* s = scores + g * L;
-    inv[g] = softmax_unnormalised(s, L);
-    uint16_t* pg = probs + g * L;
-    int64_t t = 0;
-    for (; t + 16 <= L; t += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + t),
-                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(s + t))));
-    for (; t < L; ++t) pg[t] = bf16_bits(s[t]);
+    // The probabilities go to bf16 (nearest even) as exp writes them, in the same pass.
+    const float* s = scores + g * L;
+    inv[g] = 1.f / switchyard::exp_sum(s, L, switchyard::row_max(s, L), probs + g * L);
   }
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t g0 = 0; g0 < G; g0 += GB) {
