@@ -18,9 +18,10 @@ from benchmarks.engine_structured import run_structured
 from benchmarks.roofline import (
     Machine,
     ModelShape,
+    Reading,
     StepCost,
-    measure_bandwidth,
-    measure_gemm_flops,
+    bandwidth_rates,
+    gemm_rates,
     roofline_s,
     serial_s,
     step_cost,
@@ -103,17 +104,10 @@ class CostMeter:
         return step_cost(self.shape, self.itemsize, decodes, prefills, sampled)
 
 
-def measure_machine(dtype: str, earlier: Machine | None = None) -> Machine:
+def measure_machine(dtype: str, earlier: Reading | None = None) -> Reading:
     """GEMM peak and bandwidth now, or the best of now and `earlier`: on a shared machine a
     single measurement taken while busy would make the roofline too lenient."""
-    now = Machine(measure_gemm_flops(DTYPES[dtype]), measure_bandwidth())
-    if earlier is None:
-        return now
-    return Machine(max(now.gemm_flops, earlier.gemm_flops), max(now.bandwidth, earlier.bandwidth))
-
-
-def _machine_dict(m: Machine) -> dict:
-    return {"gemm_gflops": m.gemm_flops / 1e9, "bandwidth_gb_s": m.bandwidth / 1e9}
+    return Reading(gemm_rates(DTYPES[dtype]), bandwidth_rates()).best_with(earlier)
 
 
 def run_switchyard(spec: dict) -> dict:
@@ -137,11 +131,12 @@ def run_switchyard(spec: dict) -> dict:
     drive(engine, times)
     out = timing_summary(t0, times, time.perf_counter() - t0)
     out["num_preemptions"] = engine.scheduler.num_preemptions
-    machine = measure_machine(dtype, before)
+    reading = measure_machine(dtype, before)
+    machine = reading.machine
     roof = sum(roofline_s(c, machine) for c in meter.steps)
     serial = sum(serial_s(c, machine) for c in meter.steps)
     out.update(
-        machine=_machine_dict(machine),
+        machine=reading.as_dict(),
         num_steps=len(meter.steps),
         roofline_s=roof,
         over_roofline=out["elapsed_s"] / roof,
@@ -335,7 +330,8 @@ def run_decode(spec: dict) -> dict:
     before = measure_machine(spec["dtype"])
     points = [_decode_point(spec, b) for b in spec["decode_batches"]]
     pre = _prefill_point(spec)
-    machine = measure_machine(spec["dtype"], before)
+    reading = measure_machine(spec["dtype"], before)
+    machine = reading.machine
     cost, best = pre.pop("cost"), pre.pop("best")
     prefill = {
         **pre,
@@ -348,7 +344,7 @@ def run_decode(spec: dict) -> dict:
         "fraction_of_peak": cost.flops / best / machine.gemm_flops,
     }
     return {
-        "machine": _machine_dict(machine),
+        "machine": reading.as_dict(),
         "decode_context": spec["decode_context"],
         "decode": [_against(p, machine) for p in points],
         "prefill": prefill,

@@ -99,8 +99,41 @@ def step_cost(
 class Machine:
     """What this machine does at best, measured in the same run as the engine."""
 
-    gemm_flops: float  # FLOP/s of a 2048^3 matmul in the dtype in use
-    bandwidth: float  # bytes/s of a large streaming copy (read + write counted)
+    gemm_flops: float  # FLOP/s of a 2048^3 matmul in the dtype in use, the faster GEMM's
+    bandwidth: float  # bytes/s streamed from memory, the better of a copy and a reduction
+
+
+@dataclass(frozen=True)
+class Reading:
+    """The measurements behind a `Machine`, by source: GEMM FLOP/s ("torch", "native")
+    and streaming bytes/s ("copy", "sum"). The machine is the best of each."""
+
+    gemm: dict[str, float]
+    stream: dict[str, float]
+
+    @property
+    def machine(self) -> Machine:
+        return Machine(max(self.gemm.values()), max(self.stream.values()))
+
+    def best_with(self, other: "Reading | None") -> "Reading":
+        """Each source's best of this reading and `other`'s (one taken while the shared
+        machine was busy would make the roofline too lenient)."""
+        if other is None:
+            return self
+
+        def best(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+            return {k: max(a.get(k, 0.0), b.get(k, 0.0)) for k in a.keys() | b.keys()}
+
+        return Reading(best(self.gemm, other.gemm), best(self.stream, other.stream))
+
+    def as_dict(self) -> dict:
+        m = self.machine
+        return {
+            "gemm_gflops": m.gemm_flops / 1e9,
+            "bandwidth_gb_s": m.bandwidth / 1e9,
+            "gemm_gflops_by": {k: v / 1e9 for k, v in sorted(self.gemm.items())},
+            "stream_gb_s_by": {k: v / 1e9 for k, v in sorted(self.stream.items())},
+        }
 
 
 def roofline_s(cost: StepCost, machine: Machine) -> float:
@@ -114,31 +147,55 @@ def serial_s(cost: StepCost, machine: Machine) -> float:
     return cost.bytes / machine.bandwidth + cost.flops / machine.gemm_flops
 
 
-def measure_gemm_flops(dtype, size: int = 2048, repeats: int = 6) -> float:
-    """Best FLOP/s of `size`^3 matmuls in `dtype` (the matrix units, if torch uses them)."""
+def _best_rate(fn, work: float, repeats: int) -> float:
+    fn()
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = max(best, work / (time.perf_counter() - t))
+    return best
+
+
+def gemm_rates(dtype, size: int = 2048, repeats: int = 6) -> dict[str, float]:
+    """Best FLOP/s of `size`^3 products in `dtype`: torch's matmul ("torch") and, where
+    this CPU builds it, our own linear kernel ("native", `workers.native.linear`).
+
+    The peak is the faster of the two, so that it bounds what the engine reaches: on an
+    AMD Zen 5 torch's fp32 matmul (MKL) ran at ~200 GFLOP/s while our kernel did ~400,
+    and a roofline on torch's figure put a 2,048-token fp32 prefill at 153% of "peak"."""
     import torch
 
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
-    torch.mm(a, b)
-    best = 0.0
-    for _ in range(repeats):
-        t = time.perf_counter()
-        torch.mm(a, b)
-        best = max(best, 2 * size**3 / (time.perf_counter() - t))
-    return best
+    rates = {"torch": _best_rate(lambda: torch.mm(a, b), 2 * size**3, repeats)}
+    kernel = _native_linear_kernel(dtype)
+    if kernel is not None:
+        packed = kernel.pack(b)
+        rates["native"] = _best_rate(lambda: kernel.linear(a, packed, None), 2 * size**3, repeats)
+    return rates
 
 
-def measure_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 6) -> float:
-    """Best bytes/s of copying a buffer far larger than the caches (read + write)."""
+def _native_linear_kernel(dtype):
+    """Our linear kernel for `dtype`, or None (not built for this CPU, or switched off)."""
+    from workers import native
+
+    return native.linear(str(dtype).removeprefix("torch."))
+
+
+def bandwidth_rates(num_bytes: int = 256 * 2**20, repeats: int = 6) -> dict[str, float]:
+    """Best bytes/s of streaming a buffer far larger than the caches: a copy ("copy",
+    read + write counted) and a sum ("sum", reads only).
+
+    The bandwidth is the larger: a decode step mostly reads (weights, the KV cache), and a
+    copy also pays for reading each destination line before it writes it, so a copy alone
+    understates what reads reach (45-66 GB/s summing against ~40 copying, 2 cores of a
+    Zen 5)."""
     import torch
 
     src = torch.ones(num_bytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = 0.0
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = max(best, 2 * num_bytes / (time.perf_counter() - t))
-    return best
+    return {
+        "copy": _best_rate(lambda: dst.copy_(src), 2 * num_bytes, repeats),
+        "sum": _best_rate(lambda: src.sum(), num_bytes, repeats),
+    }

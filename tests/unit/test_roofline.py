@@ -1,6 +1,16 @@
 """The roofline cost model of `switchyard bench engine` (pure arithmetic)."""
 
-from benchmarks.roofline import Machine, ModelShape, StepCost, roofline_s, serial_s, step_cost
+from benchmarks.roofline import (
+    Machine,
+    ModelShape,
+    Reading,
+    StepCost,
+    bandwidth_rates,
+    gemm_rates,
+    roofline_s,
+    serial_s,
+    step_cost,
+)
 
 SHAPE = ModelShape(
     hidden=512,
@@ -46,3 +56,26 @@ def test_the_no_overlap_bound_adds_memory_and_compute_time():
     m = Machine(gemm_flops=1e12, bandwidth=1e10)
     assert serial_s(StepCost(1e9, 1e11), m) == 0.2  # 0.1 s of bytes, then 0.1 s of FLOPs
     assert serial_s(StepCost(1e9, 1e11), m) == 2 * roofline_s(StepCost(1e9, 1e11), m)
+
+
+def test_the_machine_is_the_best_source_of_each_measurement():
+    a = Reading({"torch": 2e11, "native": 4e11}, {"copy": 4e10, "sum": 3e10})
+    assert a.machine == Machine(gemm_flops=4e11, bandwidth=4e10)
+    b = Reading({"torch": 3e11}, {"copy": 2e10, "sum": 6e10})
+    both = a.best_with(b)
+    assert both.gemm == {"torch": 3e11, "native": 4e11}
+    assert both.stream == {"copy": 4e10, "sum": 6e10}
+    assert both.machine == Machine(gemm_flops=4e11, bandwidth=6e10)
+    assert a.best_with(None) is a
+    assert a.as_dict()["gemm_gflops_by"] == {"native": 400.0, "torch": 200.0}
+
+
+def test_the_gemm_peak_includes_our_kernel_where_it_is_built():
+    import torch
+
+    from workers import native
+
+    rates = gemm_rates(torch.float32, size=128, repeats=1)
+    assert rates["torch"] > 0
+    assert ("native" in rates) == (native.linear("float32") is not None)
+    assert set(bandwidth_rates(num_bytes=2**20, repeats=1)) == {"copy", "sum"}
