@@ -14,6 +14,8 @@ growing them while serving would stall every stream for the copy. Sequences long
 
 import torch
 
+from workers.memory import zeros
+
 
 class DecodeWorkspace:
     """Rows 0..n-1 hold the KV of the n workspace decodes of the current step."""
@@ -33,8 +35,8 @@ class DecodeWorkspace:
         self.max_rows = max_rows
         self.max_tokens = max_tokens
         shape = (num_kv_heads, max_rows, max_tokens, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [zeros(shape, dtype, device) for _ in range(num_layers)]
         self.device = device
         self.rows: dict[str, int] = {}  # request id -> row
         self.lengths: list[int] = []  # valid tokens per row

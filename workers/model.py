@@ -39,6 +39,11 @@ class ModelWeights:
     norm: torch.Tensor
     lm_head: torch.Tensor
 
+    def linears(self) -> list[torch.Tensor]:
+        """The linear matrices `map_linears` maps, in its order."""
+        mats = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return mats + [self.lm_head]
+
     def num_parameters(self) -> int:
         tensors = [self.embed, self.norm]
         if self.lm_head.data_ptr() != self.embed.data_ptr():

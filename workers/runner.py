@@ -14,7 +14,8 @@ from workers.attention import AttentionMetadata, PrefillSeq
 from workers.config import EngineConfig
 from workers.decode_workspace import DecodeWorkspace
 from workers.loader import load_weights, parse_dtype
-from workers.model import CausalLM, can_pack, pack_weights
+from workers.memory import HugeArena, zeros
+from workers.model import CausalLM, can_pack, map_linears, pack_weights
 from workers.model_config import ModelConfig, load_model_config
 from workers.request import Request
 from workers.sampler import compute_logprobs, make_sampling_batch, sample
@@ -135,6 +136,9 @@ class ModelRunner:
             if config.native_kernels and self.dtype in NATIVE_DTYPES:
                 self.linear_kernel = native.linear(str(self.dtype).removeprefix("torch."))
             weights = pack_weights(weights, self.linear_kernel)
+        if self.device.type == "cpu" and not any(w.is_mkldnn for w in weights.linears()):
+            arena = HugeArena(weights.linears())  # streamed every step: on huge pages
+            weights = map_linears(weights, arena.copy)
         self.model = CausalLM(cfg, weights, self.max_model_len, shard, fused, self.packed)
         self.block_size = config.block_size
         per_token = kv_bytes_per_token(cfg, self.dtype)
@@ -155,10 +159,7 @@ class ModelRunner:
         num_slots = self.num_kv_blocks * self.block_size
         shape = (cfg.num_kv_heads, num_slots, cfg.head_dim)
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
+            (zeros(shape, self.dtype, self.device), zeros(shape, self.dtype, self.device))
             for _ in range(cfg.num_layers)
         ]
         self.kv_capacity_tokens = num_slots
