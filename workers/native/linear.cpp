@@ -104,11 +104,28 @@ struct Step<uint16_t> {
 };
 #endif
 
+// Lines of the next tile of weights, asked into L2 a few at a time while this one runs.
+// At decode batches (a few blocks of rows per tile) the tile's first block would otherwise
+// wait on memory for all of it while the later ones find it in L2: bench model, a decode
+// step at batch 64, every linear 8-15% faster in bf16 and 3-10% in fp32 (12.6 -> 12.0 ms
+// a step), level at batch 1.
+struct Prefetch {
+  const char* at = nullptr;
+  int64_t lines = 0;
+
+  inline void next(int64_t n) {
+    for (; n > 0 && lines > 0; --n, --lines, at += 64) _mm_prefetch(at, _MM_HINT_T1);
+  }
+};
+
 // One tile's 64 outputs for MR rows of x (row stride xs), over S steps of the input; KU
 // independent partial sums per output so that enough chains are in flight. Each sum goes
-// to store(row, vector c of the tile, the fp32 sums of columns 16 c .. 16 c + 15).
+// to store(row, vector c of the tile, the fp32 sums of columns 16 c .. 16 c + 15); `ahead`
+// issues one prefetch per step. Always inlined: out of line (which GCC chose once the
+// prefetching variant was instantiated beside it), batch 1's gated MLP took 13% longer.
 template <typename T, int MR, int KU, typename Store>
-inline void tile(const T* x, int64_t xs, const T* wt, int64_t S, Store&& store) {
+__attribute__((always_inline)) inline void tile(const T* x, int64_t xs, const T* wt, int64_t S,
+                                                Store&& store, Prefetch ahead = {}) {
   using St = Step<T>;
   constexpr int64_t W = kCols * kStep<T>;  // weights per step of the input
   __m512 acc[KU][MR][4];
@@ -117,6 +134,7 @@ inline void tile(const T* x, int64_t xs, const T* wt, int64_t S, Store&& store) 
       for (int c = 0; c < 4; ++c) acc[u][m][c] = _mm512_setzero_ps();
   int64_t s = 0;
   for (; s + KU <= S; s += KU) {
+    ahead.next(KU);
     for (int u = 0; u < KU; ++u) {
       const T* w = wt + (s + u) * W;
       typename St::Vec wv[4];
@@ -144,25 +162,49 @@ inline void tile(const T* x, int64_t xs, const T* wt, int64_t S, Store&& store) 
 }
 
 // A tile's 64 outputs for n rows of x: six at a time, then the rest in narrower blocks
-// (fewer rows, more partial sums each). store(row, c, sums) as for `tile`.
-template <typename T, typename Store>
-inline void tile_rows(const T* x, int64_t xs, const T* wt, int64_t S, int64_t n, Store&& store) {
+// (fewer rows, more partial sums each). store(row, c, sums) as for `tile`. kAhead: the
+// blocks share the prefetch of `next`, the tile that comes after this one.
+template <typename T, bool kAhead, typename Store>
+__attribute__((always_inline)) inline void tile_blocks(const T* x, int64_t xs, const T* wt,
+                                                       int64_t S, int64_t n, Store&& store,
+                                                       const T* next) {
   const auto from = [&store](int64_t base) {
     return [&store, base](int m, int c, __m512 y) { store(base + m, c, y); };
   };
+  const int64_t lines = S * kCols * kStep<T> * static_cast<int64_t>(sizeof(T)) / 64;
+  const int64_t per_block = (lines + (n + 5) / 6 - 1) / ((n + 5) / 6);
+  const auto ahead = [&](int64_t m) {
+    if constexpr (!kAhead) return Prefetch{};
+    const int64_t done = m / 6 * per_block;
+    return Prefetch{reinterpret_cast<const char*>(next) + done * 64,
+                    std::max<int64_t>(0, std::min(per_block, lines - done))};
+  };
   int64_t m = 0;
-  for (; m + 6 <= n; m += 6) tile<T, 6, 1>(x + m * xs, xs, wt, S, from(m));
+  for (; m + 6 <= n; m += 6) tile<T, 6, 1>(x + m * xs, xs, wt, S, from(m), ahead(m));
   const T* xr = x + m * xs;
   switch (n - m) {
     case 5:
-      tile<T, 3, 1>(xr, xs, wt, S, from(m));
+      tile<T, 3, 1>(xr, xs, wt, S, from(m), ahead(m));
       tile<T, 2, 2>(xr + 3 * xs, xs, wt, S, from(m + 3));
       break;
-    case 4: tile<T, 4, 1>(xr, xs, wt, S, from(m)); break;
-    case 3: tile<T, 3, 2>(xr, xs, wt, S, from(m)); break;
-    case 2: tile<T, 2, 2>(xr, xs, wt, S, from(m)); break;
-    case 1: tile<T, 1, 4>(xr, xs, wt, S, from(m)); break;
+    case 4: tile<T, 4, 1>(xr, xs, wt, S, from(m), ahead(m)); break;
+    case 3: tile<T, 3, 2>(xr, xs, wt, S, from(m), ahead(m)); break;
+    case 2: tile<T, 2, 2>(xr, xs, wt, S, from(m), ahead(m)); break;
+    case 1: tile<T, 1, 4>(xr, xs, wt, S, from(m), ahead(m)); break;
     default: break;
+  }
+}
+
+// `tile_blocks`, prefetching `next` (nullptr: none) where the tile meets two or more
+// blocks of rows. A single block streams the tile once, which the hardware prefetcher
+// follows unaided.
+template <typename T, typename Store>
+inline void tile_rows(const T* x, int64_t xs, const T* wt, int64_t S, int64_t n, Store&& store,
+                      const T* next = nullptr) {
+  if (next != nullptr && n >= 12) {
+    tile_blocks<T, true>(x, xs, wt, S, n, store, next);
+  } else {
+    tile_blocks<T, false>(x, xs, wt, S, n, store, next);
   }
 }
 
@@ -184,10 +226,14 @@ void run(const T* xp, int64_t xs, int64_t M, int64_t K, const T* wp, int64_t T_,
       for (int64_t t = t0; t < t1; ++t) {
         const float* b = bf ? bf + t * kCols : nullptr;
         T* o = op + m0 * N + t * kCols;
-        tile_rows<T>(xp + m0 * xs, xs, wp + t * K * kCols, S, n, [&](int64_t m, int c, __m512 y) {
-          if (b) y = _mm512_add_ps(y, _mm512_loadu_ps(b + c * 16));
-          store16(o + m * N + c * 16, y);
-        });
+        const T* next = t + 1 < t1 ? wp + (t + 1) * K * kCols : nullptr;
+        tile_rows<T>(
+            xp + m0 * xs, xs, wp + t * K * kCols, S, n,
+            [&](int64_t m, int c, __m512 y) {
+              if (b) y = _mm512_add_ps(y, _mm512_loadu_ps(b + c * 16));
+              store16(o + m * N + c * 16, y);
+            },
+            next);
       }
     }
   });
@@ -223,17 +269,24 @@ void run_gated(const T* xp, int64_t xs, int64_t M, int64_t K, const T* wp, int64
       for (int64_t p = p0; p < p1; ++p) {
         const T* wg = wp + 2 * p * K * kCols;
         float* g = gates.data();
-        tile_rows<T>(x, xs, wg, S, n, [g](int64_t m, int c, __m512 y) {
-          _mm512_storeu_ps(g + m * kCols + c * 16, as_stored<T>(y));
-        });
+        const T* wu = wg + K * kCols;  // its up tile, prefetched while the gate runs
+        tile_rows<T>(
+            x, xs, wg, S, n,
+            [g](int64_t m, int c, __m512 y) {
+              _mm512_storeu_ps(g + m * kCols + c * 16, as_stored<T>(y));
+            },
+            wu);
         T* o = op + m0 * N + p * kCols;
-        tile_rows<T>(x, xs, wg + K * kCols, S, n, [g, o, N](int64_t m, int c, __m512 y) {
-          const __m512 gate = _mm512_loadu_ps(g + m * kCols + c * 16);
-          const __m512 one = _mm512_set1_ps(1.f);
-          const __m512 e = switchyard::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
-          const __m512 act = as_stored<T>(_mm512_div_ps(gate, _mm512_add_ps(one, e)));
-          store16(o + m * N + c * 16, _mm512_mul_ps(act, as_stored<T>(y)));
-        });
+        tile_rows<T>(
+            x, xs, wu, S, n,
+            [g, o, N](int64_t m, int c, __m512 y) {
+              const __m512 gate = _mm512_loadu_ps(g + m * kCols + c * 16);
+              const __m512 one = _mm512_set1_ps(1.f);
+              const __m512 e = switchyard::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
+              const __m512 act = as_stored<T>(_mm512_div_ps(gate, _mm512_add_ps(one, e)));
+              store16(o + m * N + c * 16, _mm512_mul_ps(act, as_stored<T>(y)));
+            },
+            p + 1 < p1 ? wu + K * kCols : nullptr);
       }
     }
   });
