@@ -31,8 +31,9 @@ def huge_pages_available() -> bool:
 
 def cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed, contiguous CPU tensor; from 2 MiB upwards, on huge pages where the OS
-    has them. Its pages are committed when first touched (a fresh mapping reads as
-    zeros), not at allocation as `torch.zeros` commits them."""
+    has them. Every page is faulted in here, as `torch.zeros` does: left to the first
+    touch, a fresh engine's first steps waited on the kernel for huge pages (zeroing
+    and compacting memory for them), up to 450 ms a step against a median of 7."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE or not huge_pages_available():
         return torch.zeros(shape, dtype=dtype)
@@ -43,7 +44,9 @@ def cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         pass
     raw = torch.frombuffer(region, dtype=torch.uint8)  # holds `region` while it lives
     start = -raw.data_ptr() % HUGE_PAGE
-    return raw[start : start + nbytes].view(dtype).view(shape)
+    out = raw[start : start + nbytes]
+    out.zero_()  # fault every page in now, not in the middle of a step
+    return out.view(dtype).view(shape)
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
