@@ -136,9 +136,9 @@ class ModelRunner:
             if config.native_kernels and self.dtype in NATIVE_DTYPES:
                 self.linear_kernel = native.linear(str(self.dtype).removeprefix("torch."))
             weights = pack_weights(weights, self.linear_kernel)
-        if self.device.type == "cpu" and not any(w.is_mkldnn for w in weights.linears()):
-            arena = HugeArena(weights.linears())  # streamed every step: on huge pages
-            weights = map_linears(weights, arena.copy)
+        if self.linear_kernel is not None:  # our tiles, streamed every step: huge pages
+            arena = HugeArena([w for w in weights.linears() if not w.is_mkldnn])
+            weights = map_linears(weights, lambda w: w if w.is_mkldnn else arena.copy(w))
         self.model = CausalLM(cfg, weights, self.max_model_len, shard, fused, self.packed)
         self.block_size = config.block_size
         per_token = kv_bytes_per_token(cfg, self.dtype)
