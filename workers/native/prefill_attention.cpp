@@ -20,6 +20,13 @@
 // Against one block of eight rows, each over all keys: bf16 2,048 tokens 8.88 -> 8.04 ms
 // a layer (534 GFLOP/s, 2 cores of a Zen 5), 272 tokens and fp32 level, the same bits.
 //
+// Every call packs its keys and values again (a chunk's context included), with 16 x 16
+// transposes of 32-bit units (bf16: values interleaved in pairs by a permute), into
+// buffers that live with the thread: a short chunk after a long context paid more for
+// the packing than for its attention, and fp32 for faulting fresh buffers in on every
+// call. 16 tokens after 2,048: bf16 0.25 -> 0.14 ms a layer, fp32 2.9 -> 0.48 ms; 64
+// after 2,048: bf16 0.57 -> 0.46 ms; the same bits.
+//
 // Numerics: fp32 accumulation throughout, in a different order from torch's: fp32 differs
 // from SDPA in the last bits (the fp32 parity tests against transformers run on it); bf16
 // is tested against transformers bf16 by closeness, as the rest of the bf16 path.
@@ -69,29 +76,81 @@ inline uint32_t pair_at(const uint16_t* p) {
   return x;
 }
 
-// One KV head's keys (n rows of D at k, row stride ks) in blocks of 16 keys:
-// out[b][d / P][j][d % P] = k[16 b + j][d]. `out` comes zeroed: zeros stay past n.
-template <typename T>
-void pack_keys(const T* k, int64_t ks, int64_t n, int64_t D, T* out) {
-  constexpr int64_t P = kPair<T>;
-  for (int64_t t = 0; t < n; ++t) {
-    T* blk = out + (t / kKeys) * kKeys * D + (t % kKeys) * P;
-    const T* row = k + t * ks;
-    for (int64_t d = 0; d < D; d += P)
-      for (int64_t e = 0; e < P; ++e) blk[d * kKeys + e] = row[d + e];
+// In place: r[i] lane j <- r[j] lane i, 32-bit lanes (unpack, then shuffles of 32-bit
+// lanes within 128-bit lanes, then of 128-bit lanes twice).
+inline void transpose16(__m512* r) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4 i + k], 128-bit lane L: column 4 L + k, rows 4 i ..
+    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);
+    t[4 + k] = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);
+    t[8 + k] = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+    t[12 + k] = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0xDD);
+    r[4 + k] = _mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0x88);
+    r[12 + k] = _mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0xDD);
   }
 }
 
-// One KV head's values: out[t / P][d][t % P] = v[t][d], zeros past n (fp32: a copy).
+// One KV head's keys (n rows of D at k, row stride ks) in blocks of 16 keys:
+// out[b][d / P][j][d % P] = k[16 b + j][d]. `out` comes zeroed: zeros stay past n.
+// A block is 16 rows of D / P 32-bit units (a float, or a bf16 pair) transposed 16
+// units at a time (scalar, a short chunk's packing cost more than its attention over
+// a long context: see the file's header).
+template <typename T>
+void pack_keys(const T* k, int64_t ks, int64_t n, int64_t D, T* out) {
+  constexpr int64_t P = kPair<T>;
+  const int64_t units = D / P;
+  for (int64_t b = 0; b * kKeys < n; ++b) {
+    const int64_t rows = std::min<int64_t>(kKeys, n - b * kKeys);
+    float* blk = reinterpret_cast<float*>(out + b * kKeys * D);
+    for (int64_t c = 0; c < units; c += 16) {
+      __m512 r[16];
+      for (int64_t j = 0; j < 16; ++j)
+        r[j] = j < rows ? _mm512_loadu_ps(reinterpret_cast<const float*>(k + (b * kKeys + j) * ks) + c)
+                        : _mm512_setzero_ps();
+      transpose16(r);
+      for (int64_t i = 0; i < 16; ++i) _mm512_storeu_ps(blk + (c + i) * kKeys, r[i]);
+    }
+  }
+}
+
+// One KV head's values: out[t / P][d][t % P] = v[t][d], zeros past n (fp32: a copy;
+// bf16: two rows interleaved, 32 values of each at a time).
 template <typename T>
 void pack_values(const T* v, int64_t vs, int64_t n, int64_t D, T* out) {
-  constexpr int64_t P = kPair<T>;
-  for (int64_t g = 0; g < (n + P - 1) / P; ++g)
-    for (int64_t e = 0; e < P; ++e) {
-      const int64_t t = g * P + e;
-      T* o = out + g * D * P + e;
-      for (int64_t d = 0; d < D; ++d) o[d * P] = t < n ? v[t * vs + d] : T(0);
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t t = 0; t < n; ++t) std::memcpy(out + t * D, v + t * vs, D * sizeof(float));
+  } else {
+    alignas(64) static constexpr uint16_t lo_idx[32] = {
+        0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i lo = _mm512_load_si512(lo_idx);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int64_t g = 0; g < (n + 1) / 2; ++g) {
+      const T* a = v + 2 * g * vs;
+      const bool pair = 2 * g + 1 < n;
+      T* o = out + g * D * 2;
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512i x = _mm512_loadu_si512(a + d);
+        const __m512i y = pair ? _mm512_loadu_si512(a + vs + d) : _mm512_setzero_si512();
+        _mm512_storeu_si512(o + 2 * d, _mm512_permutex2var_epi16(x, lo, y));
+        _mm512_storeu_si512(o + 2 * d + 32, _mm512_permutex2var_epi16(x, hi, y));
+      }
     }
+  }
 }
 
 // Scores of ROWS query rows against NB neighbouring packed blocks of 16 keys, scaled,
@@ -182,6 +241,20 @@ inline void put16(uint16_t* o, __m512 x) {
 }
 #endif
 
+// A buffer of at least n elements that lives as long as the thread (the engine's, and
+// the OpenMP pool's): a fresh allocation of the packed keys (megabytes) on every call
+// page-faulted its way in, about 1 ms a layer in fp32 over 2,048 keys.
+template <typename T>
+T* scratch(std::vector<T>& buf, int64_t n) {
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+template <typename T>
+thread_local std::vector<T> packed_keys;
+template <typename T>
+thread_local std::vector<T> packed_values;
+
 // q [nq, Hq, D]; k, v [nk, Hkv, D] with nk >= nq: query i sits at position nk - nq + i and
 // sees keys 0 .. nk - nq + i.
 template <typename T, int64_t D>
@@ -199,11 +272,13 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float sc
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const int64_t blocks = (nk + kKeys - 1) / kKeys, groups = (nk + P - 1) / P;
   const int64_t key_head = blocks * kKeys * D, value_head = groups * P * D;
-  std::vector<T> keys(Hkv * key_head), values(Hkv * value_head);  // zeroed
+  // Every element is written by the packing (a partial block's missing keys as zeros).
+  T* keys = scratch(packed_keys<T>, Hkv * key_head);
+  T* values = scratch(packed_values<T>, Hkv * value_head);
   at::parallel_for(0, Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t h = begin; h < end; ++h) {
-      pack_keys(kp + h * ks1, ks0, nk, D, keys.data() + h * key_head);
-      pack_values(vp + h * vs1, vs0, nk, D, values.data() + h * value_head);
+      pack_keys(kp + h * ks1, ks0, nk, D, keys + h * key_head);
+      pack_values(vp + h * vs1, vs0, nk, D, values + h * value_head);
     }
   });
   const int64_t qblocks = (nq + kQueries - 1) / kQueries;
@@ -213,15 +288,21 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float sc
   // same mix of short (early) and long (late) query blocks.
   at::parallel_for(0, Hkv * qblocks, 1, [&](int64_t begin, int64_t end) {
     const int64_t max_rows = kQueries * G;
-    std::vector<float> scores(max_rows * width), sums(max_rows), res((max_rows + R) * D);
-    std::vector<T> probs(max_rows * pwidth);
-    std::vector<const T*> qrow(max_rows);
+    // What a row reads of these, it has written first (res is zeroed per task).
+    static thread_local std::vector<float> scores_buf, sums_buf, res_buf;
+    static thread_local std::vector<T> probs_buf;
+    static thread_local std::vector<const T*> qrow_buf;
+    float* scores = scratch(scores_buf, max_rows * width);
+    float* sums = scratch(sums_buf, max_rows);
+    float* res = scratch(res_buf, (max_rows + R) * D);
+    T* probs = scratch(probs_buf, max_rows * pwidth);
+    const T** qrow = scratch(qrow_buf, max_rows);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / qblocks, qb = task % qblocks;
       const int64_t t0 = qb * kQueries, t1 = std::min(nq, t0 + kQueries);
       const int64_t rows = (t1 - t0) * G;  // row r: token t0 + r / G, query head h G + r % G
-      const T* kh = keys.data() + h * key_head;
-      const T* vh = values.data() + h * value_head;
+      const T* kh = keys + h * key_head;
+      const T* vh = values + h * value_head;
       // Row r sees len(r) keys; rows are in token order, so a group's last row sees most.
       auto len = [&](int64_t r) { return offset + t0 + r / G + 1; };
       for (int64_t r = 0; r < rows; ++r)
@@ -233,14 +314,14 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float sc
         for (int64_t r0 = 0; r0 < rows; r0 += 8) {
           const int rr = static_cast<int>(std::min<int64_t>(8, rows - r0));
           const int64_t seen = len(r0 + rr - 1);
-          float* sb = scores.data() + r0 * width + b * kKeys;
+          float* sb = scores + r0 * width + b * kKeys;
           const T* kb = kh + b * kKeys * D;
           if (rr == 8 && (b + 1) * kKeys < seen) {
-            score_rows<T, D, 8, 2>(qrow.data() + r0, kb, scale, sb, width);
+            score_rows<T, D, 8, 2>(qrow + r0, kb, scale, sb, width);
             continue;
           }
           for (int64_t nb = 0; nb < 2 && (b + nb) * kKeys < seen; ++nb)
-            score_block<T, D>(qrow.data() + r0, rr, kb + nb * kKeys * D, scale, sb + nb * kKeys,
+            score_block<T, D>(qrow + r0, rr, kb + nb * kKeys * D, scale, sb + nb * kKeys,
                               width);
         }
       }
@@ -249,16 +330,16 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float sc
       // up to R - 1 rows later, rounded up to a key pair).
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t n = len(r);
-        float* s = scores.data() + r * width;
-        T* pr = probs.data() + r * pwidth;
+        float* s = scores + r * width;
+        T* pr = probs + r * pwidth;
         sums[r] = switchyard::exp_sum(s, n, switchyard::row_max(s, n), pr);
         std::fill(pr + n, pr + std::min(pwidth, n + 2 * R + 2), T(0));
       }
       // Values in chunks of kGroups key groups, each read from L2 once for all the rows
       // (R at a time, their sums kept in `res` between chunks); a short last group of
       // rows repeats its last row into the spare rows of `res`.
-      auto* acc = reinterpret_cast<float(*)[D]>(res.data());
-      std::fill(res.begin(), res.end(), 0.f);
+      auto* acc = reinterpret_cast<float(*)[D]>(res);
+      std::fill(res, res + (max_rows + R) * D, 0.f);
       const auto groups = [&](int64_t r) { return (len(r) + P - 1) / P; };
       for (int64_t j0 = 0; j0 < groups(rows - 1); j0 += kGroups) {
         for (int64_t r0 = 0; r0 < rows; r0 += R) {
@@ -267,7 +348,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float sc
           if (j0 >= j1) continue;
           const T* prow[R];
           for (int r = 0; r < R; ++r)
-            prow[r] = probs.data() + (r0 + std::min<int64_t>(r, rr - 1)) * pwidth;
+            prow[r] = probs + (r0 + std::min<int64_t>(r, rr - 1)) * pwidth;
           weigh_values<T, D, R>(prow, vh, j0, j1, acc + r0);
         }
       }
