@@ -30,6 +30,9 @@ from benchmarks.roofline import (
 from benchmarks.stats import latency_summary, percentile
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# A decode workspace row for every sequence, whatever the model: the bench measures the
+# design (a worker's default 0.25 GiB holds 16 rows of the bench model in fp32).
+WORKSPACE_GIB = 64.0
 
 
 def _peak_rss_mib() -> float:
@@ -46,12 +49,11 @@ def _engine(ckpt: str, *, num_blocks: int, budget: int, max_seqs: int, **kw: Any
     prefix = kw.pop("enable_prefix_caching", True)
     dtype = kw.pop("dtype", "float32")
     sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, **kw)
-    # A workspace row for every sequence, whatever the model: the bench measures the design.
     cfg = EngineConfig(
         num_kv_blocks=num_blocks,
         scheduler=sched,
         enable_prefix_caching=prefix,
-        decode_workspace_gib=64.0,
+        decode_workspace_gib=WORKSPACE_GIB,
         dtype=dtype,
     )
     return LLMEngine.from_pretrained(ckpt, cfg)

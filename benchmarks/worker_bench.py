@@ -14,6 +14,7 @@ import yaml
 from tqdm import tqdm
 
 from benchmarks.engine_bench import BenchOptions, _run_child, make_bench_checkpoint, make_workload
+from benchmarks.engine_systems import WORKSPACE_GIB
 from benchmarks.processes import child_process, free_port, wait_http
 from benchmarks.stats import (
     LATENCY_COLUMNS,
@@ -27,8 +28,12 @@ log = logging.getLogger(__name__)
 
 
 def _engine_section(work: list[tuple[list[int], int]], budget: int) -> dict:
+    """The worker's engine as the in-process side builds it (`engine_systems._engine`),
+    so that the two differ by HTTP alone (the worker's default workspace holds 16 rows of
+    the bench model in fp32: 48 of the 64 streams would decode from the paged cache)."""
     need = sum(len(p) + n for p, n in work)
     return {
+        "decode_workspace_gib": WORKSPACE_GIB,
         "num_kv_blocks": need // 16 + 64,
         "scheduler": {"max_num_seqs": len(work), "max_num_batched_tokens": budget},
     }

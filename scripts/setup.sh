@@ -13,14 +13,15 @@ command -v "$PY" >/dev/null || PY=python3
 # a machine without a C++ compiler runs torch's slower path and the log says so).
 .venv/bin/python -m workers.native || echo "warning: native kernels not built (see above)" >&2
 # System packages the tests drive: chromium (the /dashboard page's browser test, through
-# Playwright) and promtool (from `prometheus`: the alert rules' check). Nothing to do when
-# both are there; installing needs root and apt-get, else the two tests fail and say why.
-if ! command -v chromium >/dev/null || ! command -v promtool >/dev/null; then
+# Playwright), promtool (from `prometheus`: the alert rules' check) and wrk (the gateway
+# bench's load generator). Nothing to do when all are there; installing needs root and
+# apt-get, else those tests fail and say why.
+if ! command -v chromium >/dev/null || ! command -v promtool >/dev/null || ! command -v wrk >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      chromium prometheus >/dev/null
+      chromium prometheus wrk >/dev/null
   else
-    echo "warning: chromium or promtool missing (as root: apt-get install chromium prometheus)" >&2
+    echo "warning: chromium, promtool or wrk missing (as root: apt-get install chromium prometheus wrk)" >&2
   fi
 fi

@@ -13,10 +13,12 @@ from benchmarks.wrk import cpu_seconds, run_wrk, wrk_path
 from tests.support.servers import backend_proc
 from tests.support.waiting import eventually
 
+NO_WRK = "wrk is not installed (scripts/setup.sh installs it as root: apt-get install wrk)"
 
-@pytest.mark.skipif(wrk_path() is None, reason="wrk is not installed (apt-get install wrk)")
+
 @pytest.mark.parametrize("mode", ["plain", "stream"])
 def test_wrk_drives_the_fake_backend_without_errors_and_measures_itself(mode: str) -> None:
+    assert wrk_path() is not None, NO_WRK
     with backend_proc() as (url, proc):
         c0 = cpu_seconds([proc.pid])
         r = run_wrk(f"{url}/v1/completions", WRK_BODIES[mode], {}, connections=4, duration_s=1)
@@ -27,8 +29,7 @@ def test_wrk_drives_the_fake_backend_without_errors_and_measures_itself(mode: st
 
 
 def test_wrk_counts_error_answers() -> None:
-    if wrk_path() is None:
-        pytest.skip("wrk is not installed (apt-get install wrk)")
+    assert wrk_path() is not None, NO_WRK
     with backend_proc() as (url, _):
         r = run_wrk(f"{url}/no-such-path", WRK_BODIES["plain"], {}, connections=2, duration_s=1)
         assert r.requests > 0 and r.errors == r.requests
