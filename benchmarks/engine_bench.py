@@ -182,11 +182,10 @@ def _peaks(m: dict, dtype: str) -> str:
     def by(rates: dict, unit: str) -> str:
         return ", ".join(f"{k} {v:,.1f}" for k, v in rates.items()) + f" {unit}"
 
-    gemm = m.get("gemm_gflops_by", {})
-    stream = m.get("stream_gb_s_by", {})
+    gemm, stream = by(m["gemm_gflops_by"], "GFLOP/s"), by(m["stream_gb_s_by"], "GB/s")
     return (
-        f"{m['gemm_gflops']:,.0f} GFLOP/s ({dtype} GEMM 2048^3, best of {by(gemm, 'GFLOP/s')}) "
-        f"and {m['bandwidth_gb_s']:.1f} GB/s (best of {by(stream, 'GB/s')})"
+        f"{m['gemm_gflops']:,.0f} GFLOP/s ({dtype} GEMM 2048^3, best of {gemm}) "
+        f"and {m['bandwidth_gb_s']:.1f} GB/s (best of {stream})"
     )
 
 

@@ -105,10 +105,9 @@ inline void transpose16(__m512* r) {
 }
 
 // One KV head's keys (n rows of D at k, row stride ks) in blocks of 16 keys:
-// out[b][d / P][j][d % P] = k[16 b + j][d]. `out` comes zeroed: zeros stay past n.
-// A block is 16 rows of D / P 32-bit units (a float, or a bf16 pair) transposed 16
-// units at a time (scalar, a short chunk's packing cost more than its attention over
-// a long context: see the file's header).
+// out[b][d / P][j][d % P] = k[16 b + j][d], the last block's rows past n written as zeros.
+// A block is 16 rows of D / P 32-bit units (a float, or a bf16 pair), transposed 16 units
+// at a time.
 template <typename T>
 void pack_keys(const T* k, int64_t ks, int64_t n, int64_t D, T* out) {
   constexpr int64_t P = kPair<T>;
@@ -118,9 +117,10 @@ void pack_keys(const T* k, int64_t ks, int64_t n, int64_t D, T* out) {
     float* blk = reinterpret_cast<float*>(out + b * kKeys * D);
     for (int64_t c = 0; c < units; c += 16) {
       __m512 r[16];
-      for (int64_t j = 0; j < 16; ++j)
-        r[j] = j < rows ? _mm512_loadu_ps(reinterpret_cast<const float*>(k + (b * kKeys + j) * ks) + c)
-                        : _mm512_setzero_ps();
+      for (int64_t j = 0; j < 16; ++j) {
+        const auto* row = reinterpret_cast<const float*>(k + (b * kKeys + j) * ks);
+        r[j] = j < rows ? _mm512_loadu_ps(row + c) : _mm512_setzero_ps();
+      }
       transpose16(r);
       for (int64_t i = 0; i < 16; ++i) _mm512_storeu_ps(blk + (c + i) * kKeys, r[i]);
     }
@@ -355,7 +355,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float sc
       for (int64_t row = 0; row < rows; ++row) {
         const __m512 inv = _mm512_set1_ps(1.f / sums[row]);
         T* o = op + (t0 + row / G) * os0 + (h * G + row % G) * os1;
-        for (int64_t c = 0; c < D; c += 16) put16(o + c, _mm512_mul_ps(_mm512_loadu_ps(acc[row] + c), inv));
+        for (int64_t c = 0; c < D; c += 16)
+          put16(o + c, _mm512_mul_ps(_mm512_loadu_ps(acc[row] + c), inv));
       }
     }
   });
