@@ -49,8 +49,9 @@ class EngineConfig:
     # builds here, in float32 and bfloat16; False (or SWITCHYARD_NATIVE_KERNELS=0) = torch.
     native_kernels: bool = True
     # On the CPU, linear weights are reordered once at load (`workers.model.pack_weights`):
-    # into our kernel's tiles (`workers/native/linear.cpp`; AVX-512, bf16 AVX512-BF16),
-    # else oneDNN's blocked layout. Faster matmuls, same memory but for a packed copy of a tied
+    # into our kernel's tiles (`workers/native/linear.cpp`; AVX-512, bf16 AVX512-BF16, or
+    # AVX2), else oneDNN's blocked layout (bf16 on AVX2: dense, oneDNN cannot run it).
+    # Faster matmuls, same memory but for a packed copy of a tied
     # LM head. False = dense weights through F.linear.
     packed_weights: bool = True
     threads: int | None = None  # torch intra-op threads; None = CPUs we may run on, at most 8

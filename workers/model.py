@@ -57,12 +57,14 @@ Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tenso
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the linear weights can be reordered once for oneDNN (CPU, fp32/bf16)."""
-    return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-    )
+    """Whether the linear weights can be reordered once for oneDNN (CPU, fp32/bf16; bf16
+    only where oneDNN runs it: AVX-512 or AVX-NE-CONVERT, not an AVX2 CPU such as Zen 3,
+    where its reorder raises)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
 
 
 def map_linears(
@@ -87,11 +89,14 @@ def map_linears(
     return ModelWeights(weights.embed, layers, weights.norm, fn(weights.lm_head))
 
 
-def pack_weights(weights: ModelWeights, kernel: "NativeLinear | None" = None) -> ModelWeights:
+def pack_weights(
+    weights: ModelWeights, kernel: "NativeLinear | None" = None, onednn: bool = True
+) -> ModelWeights:
     """The same weights with every linear matrix reordered once, for `packed_linear`;
     embeddings and norms stay dense.
 
-    With `kernel` (`workers.native.linear`, a CPU with AVX-512; bf16 also AVX512-BF16):
+    With `kernel` (`workers.native.linear`, a CPU with AVX-512, bf16 also AVX512-BF16, or
+    with AVX2):
     into its tiles of 64 columns, where the matrix has a multiple of 64 rows. Measured
     by `switchyard bench engine --scenarios levers` against the same weights in oneDNN's
     layout (docs/benchmarks/engine-roofline.md).
@@ -101,7 +106,8 @@ def pack_weights(weights: ModelWeights, kernel: "NativeLinear | None" = None) ->
     2 x intermediate] output written and read back (bf16, bench model, a layer: batch 64
     0.59 -> 0.47 ms, 2,048 tokens 17.8 -> 15.1 ms; the same bits as the two-pass path).
 
-    Otherwise into oneDNN's blocked layout. Dense weights are re-blocked by the GEMM
+    Otherwise into oneDNN's blocked layout, or with `onednn` False (`can_pack` says no:
+    bf16 on an AVX2 CPU) left dense for `F.linear`. Dense weights are re-blocked by the GEMM
     inside every call; decode steps are small enough that this shows: dense weights made
     decode steps 1.4-3.3x slower at batch 1-64 in fp32, 1.3-2.2x in bf16, than our
     tiles (the same report). Either packing
@@ -111,7 +117,7 @@ def pack_weights(weights: ModelWeights, kernel: "NativeLinear | None" = None) ->
     def pack(w: torch.Tensor) -> torch.Tensor:
         if kernel is not None and w.shape[0] % 64 == 0 and w.shape[1] % 2 == 0:
             return kernel.pack(w)
-        return torch.ops.mkldnn._reorder_linear_weight(w)
+        return torch.ops.mkldnn._reorder_linear_weight(w) if onednn else w
 
     def pack_gate_up(w: torch.Tensor) -> torch.Tensor:
         if kernel is not None and w.shape[0] % 128 == 0 and w.shape[1] % 2 == 0:
@@ -145,9 +151,12 @@ def _native_linear(dtype: torch.dtype) -> NativeLinear:
 
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b for a weight from `pack_weights`: oneDNN's layout, or our tiles."""
+    """x W^T + b for a weight from `pack_weights`: oneDNN's layout, our tiles, or dense
+    (where neither takes it)."""
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    if w.dim() == 2:
+        return F.linear(x, w, bias)
     return _native_linear(w.dtype).linear(x, w, bias)
 
 

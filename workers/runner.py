@@ -130,12 +130,18 @@ class ModelRunner:
         if config.native_kernels and self.device.type == "cpu" and self.dtype in NATIVE_DTYPES:
             fused = native.fused_ops()
         self.fused_ops = fused is not None
-        self.packed = config.packed_weights and can_pack(self.device, self.dtype)
+        onednn = can_pack(self.device, self.dtype)
         self.linear_kernel = None  # the native linear layers, when the weights use them
+        if (
+            config.packed_weights
+            and config.native_kernels
+            and self.device.type == "cpu"
+            and self.dtype in NATIVE_DTYPES
+        ):
+            self.linear_kernel = native.linear(str(self.dtype).removeprefix("torch."))
+        self.packed = config.packed_weights and (onednn or self.linear_kernel is not None)
         if self.packed:
-            if config.native_kernels and self.dtype in NATIVE_DTYPES:
-                self.linear_kernel = native.linear(str(self.dtype).removeprefix("torch."))
-            weights = pack_weights(weights, self.linear_kernel)
+            weights = pack_weights(weights, self.linear_kernel, onednn)
         if self.linear_kernel is not None:  # our tiles, streamed every step: huge pages
             arena = HugeArena([w for w in weights.linears() if not w.is_mkldnn])
             weights = map_linears(weights, lambda w: w if w.is_mkldnn else arena.copy(w))

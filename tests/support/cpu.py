@@ -19,7 +19,11 @@ def runs_native_prefill(dtype: str) -> bool:
     return need <= cpu_flags()
 
 
-def has_avx512_bf16() -> bool:
-    """AVX-512 with the bf16 dot-product instructions: what the native linear layers
-    (`workers.native.linear`) need for bf16."""
-    return {"avx512f", "avx512_bf16"} <= cpu_flags()
+def runs_native_linear(dtype: str) -> bool:
+    """Whether the native linear layers (`workers.native.linear`) run `dtype` here:
+    AVX-512 (bf16: with the bf16 dot-product instructions), or else AVX2 with FMA, which
+    runs both dtypes (bf16 widened to fp32)."""
+    flags = cpu_flags()
+    if "avx512f" in flags:
+        return dtype != "bfloat16" or "avx512_bf16" in flags
+    return {"avx2", "fma"} <= flags

@@ -196,8 +196,8 @@ def decode_attention() -> DecodeAttention | None:
 
 def linear(dtype: str):
     """The linear-layer module (`linear.cpp`: pack, unpack, linear) for `dtype`
-    ("float32" or "bfloat16"), or None: switched off, no build, or a CPU without AVX-512
-    (bf16: and AVX512-BF16)."""
+    ("float32" or "bfloat16"), or None: switched off, no build, or a CPU with neither
+    AVX-512 (bf16: with AVX512-BF16) nor AVX2 and FMA."""
     module = _kernel("linear")
     if module is None or not module.supports(dtype):
         return None

@@ -1,5 +1,6 @@
-// Linear layers (y = x W^T + b) on AVX-512, fp32 and bf16 (AVX512-BF16), for the CPU path
-// at every batch size: the decode steps' small ones and the prompts' large ones alike.
+// Linear layers (y = x W^T + b) on AVX-512, fp32 and bf16 (AVX512-BF16), or on AVX2 (both
+// dtypes; see the AVX2 section), for the CPU path at every batch size: the decode steps'
+// small ones and the prompts' large ones alike.
 //
 // oneDNN's packed GEMM (what torch runs) streams its weights at about half the memory
 // bandwidth at batch 1-16, where a decode step is bound by reading the weights, and
@@ -46,16 +47,25 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
 #include "vec_math.h"
+#define SWITCHYARD_LINEAR_AVX512 1
 #define SWITCHYARD_LINEAR_F32 1
 #if defined(__AVX512BF16__)
 #define SWITCHYARD_LINEAR_BF16 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#include "vec_math.h"
+#define SWITCHYARD_LINEAR_AVX2 1
+#define SWITCHYARD_LINEAR_F32 1
+#define SWITCHYARD_LINEAR_BF16 1
 #endif
 
 namespace {
@@ -67,6 +77,33 @@ template <typename T>
 constexpr int64_t kStep = std::is_same_v<T, float> ? 1 : 2;
 
 #if defined(SWITCHYARD_LINEAR_F32)
+// Lines of the next tile of weights, asked into L2 a few at a time while this one runs.
+// At decode batches (a few blocks of rows per tile) the tile's first block would otherwise
+// wait on memory for all of it while the later ones find it in L2: bench model, a decode
+// step at batch 64, every linear 8-15% faster in bf16 and 3-10% in fp32 (12.6 -> 12.0 ms
+// a step), level at batch 1.
+struct Prefetch {
+  const char* at = nullptr;
+  int64_t lines = 0;
+
+  inline void next(int64_t n) {
+    for (; n > 0 && lines > 0; --n, --lines, at += 64) _mm_prefetch(at, _MM_HINT_T1);
+  }
+};
+#endif
+
+#if defined(SWITCHYARD_LINEAR_AVX512)
+// The fp32 results of 16 columns of a tile, and what the epilogues do with them.
+using Lanes = __m512;
+inline Lanes lanes_load(const float* p) { return _mm512_loadu_ps(p); }
+inline void lanes_store(float* p, Lanes v) { _mm512_storeu_ps(p, v); }
+inline Lanes lanes_add(Lanes a, Lanes b) { return _mm512_add_ps(a, b); }
+inline Lanes lanes_mul(Lanes a, Lanes b) { return _mm512_mul_ps(a, b); }
+inline Lanes silu(Lanes g) {
+  const __m512 e = switchyard::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+}
+
 inline void store16(float* out, __m512 y) { _mm512_storeu_ps(out, y); }
 
 #if defined(SWITCHYARD_LINEAR_BF16)
@@ -104,19 +141,6 @@ struct Step<uint16_t> {
 };
 #endif
 
-// Lines of the next tile of weights, asked into L2 a few at a time while this one runs.
-// At decode batches (a few blocks of rows per tile) the tile's first block would otherwise
-// wait on memory for all of it while the later ones find it in L2: bench model, a decode
-// step at batch 64, every linear 8-15% faster in bf16 and 3-10% in fp32 (12.6 -> 12.0 ms
-// a step), level at batch 1.
-struct Prefetch {
-  const char* at = nullptr;
-  int64_t lines = 0;
-
-  inline void next(int64_t n) {
-    for (; n > 0 && lines > 0; --n, --lines, at += 64) _mm_prefetch(at, _MM_HINT_T1);
-  }
-};
 
 // One tile's 64 outputs for MR rows of x (row stride xs), over S steps of the input; KU
 // independent partial sums per output so that enough chains are in flight. Each sum goes
@@ -208,37 +232,6 @@ inline void tile_rows(const T* x, int64_t xs, const T* wt, int64_t S, int64_t n,
   }
 }
 
-// Rows of x in blocks of about 128 KiB, kept in L2 while they meet each of the thread's
-// tiles (a prompt's x is megabytes; a decode step's is one block).
-template <typename T>
-int64_t row_block(int64_t K) {
-  return std::max<int64_t>(6, (128 * 1024 / (K * sizeof(T))) / 6 * 6);
-}
-
-// x [M, K] (rows xs apart) times the packed tiles [T] into out [M, 64 T].
-template <typename T>
-void run(const T* xp, int64_t xs, int64_t M, int64_t K, const T* wp, int64_t T_, const float* bf,
-         T* op) {
-  const int64_t N = T_ * kCols, S = K / kStep<T>, block = row_block<T>(K);
-  at::parallel_for(0, T_, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t m0 = 0; m0 < M; m0 += block) {
-      const int64_t n = std::min(M, m0 + block) - m0;
-      for (int64_t t = t0; t < t1; ++t) {
-        const float* b = bf ? bf + t * kCols : nullptr;
-        T* o = op + m0 * N + t * kCols;
-        const T* next = t + 1 < t1 ? wp + (t + 1) * K * kCols : nullptr;
-        tile_rows<T>(
-            xp + m0 * xs, xs, wp + t * K * kCols, S, n,
-            [&](int64_t m, int c, __m512 y) {
-              if (b) y = _mm512_add_ps(y, _mm512_loadu_ps(b + c * 16));
-              store16(o + m * N + c * 16, y);
-            },
-            next);
-      }
-    }
-  });
-}
-
 // v rounded to T (bf16: to nearest even, as the unfused path stores it), back in fp32.
 template <typename T>
 inline __m512 as_stored(__m512 v) {
@@ -254,6 +247,250 @@ inline __m512 as_stored(__m512 v) {
   }
 }
 
+// x's rows as the kernel reads them: as stored.
+template <typename T>
+using Input = T;
+#endif  // SWITCHYARD_LINEAR_AVX512
+
+#if defined(SWITCHYARD_LINEAR_AVX2)
+// AVX2 (Zen 3 and older x86 CPUs): the same packed tiles, 8-wide fp32 FMAs and 16 vector
+// registers. A tile's 64 columns go in four strips of 16 (two vectors), a few rows of x
+// at a time (`kRows`); each strip streams its own 64-byte line of every step of the
+// tile, so the four strips together read the tile once per block of rows, as the AVX-512
+// path does. bf16 has no dot-product instruction here: a 32-byte load holds 8 columns'
+// pair of input dims, and a shift (the even dim) and a mask (the odd) widen it to two
+// fp32 vectors exactly; x's rows are widened to fp32 once per block of rows (`Input`).
+// Zen 3, 2 cores, [6144, 2048] weights cycled from memory, against oneDNN (fp32; its bf16
+// does not run without AVX-512) and F.linear (bf16):
+//   fp32: batch 1 2.97 vs 4.65 ms, 16: 6.73 vs 7.74, 64: 16.4 vs 14.6;
+//   bf16: batch 1 1.70 vs 2.70 ms, 16: 4.60 vs 24.1, 64: 14.4 vs 92.4.
+
+// The fp32 results of 16 columns of a tile, and what the epilogues do with them.
+struct Lanes {
+  __m256 lo, hi;
+};
+inline Lanes lanes_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void lanes_store(float* p, Lanes v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+inline Lanes lanes_add(Lanes a, Lanes b) {
+  return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
+}
+inline Lanes lanes_mul(Lanes a, Lanes b) {
+  return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
+}
+inline __m256 silu8(__m256 g) {
+  const __m256 e = switchyard::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+}
+inline Lanes silu(Lanes g) { return {silu8(g.lo), silu8(g.hi)}; }
+
+// fp32 -> bf16 bits (in each lane's low half) rounded to nearest even, as fused_ops'
+// bf16_bits (c10's rounding of finite values).
+inline __m256i bf16_round8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+}
+
+inline void store16(float* out, Lanes y) { lanes_store(out, y); }
+
+inline void store16(uint16_t* out, Lanes y) {
+  // packus interleaves 128-bit halves (lo 0-3, hi 0-3, lo 4-7, hi 4-7); the permute
+  // puts them back in column order.
+  const __m256i packed = _mm256_packus_epi32(bf16_round8(y.lo), bf16_round8(y.hi));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(packed, 0xD8));
+}
+
+template <typename T>
+inline __m256 as_stored8(__m256 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_round8(v), 16));
+  }
+}
+
+// v rounded to T (bf16: to nearest even, as the unfused path stores it), back in fp32.
+template <typename T>
+inline Lanes as_stored(Lanes v) {
+  return {as_stored8<T>(v.lo), as_stored8<T>(v.hi)};
+}
+
+// The two fp32 vectors (8 columns each) of a bf16 pair's even and odd input dim.
+inline __m256 even_dim(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+}
+inline __m256 odd_dim(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(-65536)));
+}
+
+template <int MR>
+__attribute__((always_inline)) inline void fma_rows(__m256 (&acc)[MR][2], const float* x,
+                                                    int64_t xs, __m256 w0, __m256 w1) {
+  for (int m = 0; m < MR; ++m) {
+    const __m256 xv = _mm256_broadcast_ss(x + m * xs);
+    acc[m][0] = _mm256_fmadd_ps(xv, w0, acc[m][0]);
+    acc[m][1] = _mm256_fmadd_ps(xv, w1, acc[m][1]);
+  }
+}
+
+// Strip c (columns 16 c .. 16 c + 15) of a tile for MR rows of fp32 x (rows xs apart),
+// over S steps; store(row, c, sums). `ahead` issues one prefetch per step.
+template <typename T, int MR, typename Store>
+__attribute__((always_inline)) inline void strip(const float* x, int64_t xs, const T* wt,
+                                                 int64_t S, int c, Store&& store,
+                                                 Prefetch ahead) {
+  __m256 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const T* w = wt + c * 16 * kStep<T>;
+  for (int64_t s = 0; s < S; ++s, w += kCols * kStep<T>) {
+    ahead.next(1);
+    if constexpr (std::is_same_v<T, float>) {
+      fma_rows<MR>(acc, x + s, xs, _mm256_loadu_ps(w), _mm256_loadu_ps(w + 8));
+    } else {
+      const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+      const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16));
+      fma_rows<MR>(acc, x + 2 * s, xs, even_dim(p0), even_dim(p1));
+      fma_rows<MR>(acc, x + 2 * s + 1, xs, odd_dim(p0), odd_dim(p1));
+    }
+  }
+  for (int m = 0; m < MR; ++m) store(m, c, Lanes{acc[m][0], acc[m][1]});
+}
+
+// A whole tile for one row of x: eight accumulators (one per 8 columns) keep as many FMA
+// chains in flight as the two FMA units need; a strip would have two.
+template <typename T, typename Store>
+__attribute__((always_inline)) inline void row_tile(const float* x, const T* wt, int64_t S,
+                                                    Store&& store, Prefetch ahead) {
+  __m256 acc[8];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  const T* w = wt;
+  for (int64_t s = 0; s < S; ++s, w += kCols * kStep<T>) {
+    ahead.next(1);
+    if constexpr (std::is_same_v<T, float>) {
+      const __m256 xv = _mm256_broadcast_ss(x + s);
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 8 * j), acc[j]);
+    } else {
+      const __m256 xe = _mm256_broadcast_ss(x + 2 * s), xo = _mm256_broadcast_ss(x + 2 * s + 1);
+      for (int j = 0; j < 8; ++j) {
+        const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * j));
+        acc[j] = _mm256_fmadd_ps(xo, odd_dim(p), _mm256_fmadd_ps(xe, even_dim(p), acc[j]));
+      }
+    }
+  }
+  for (int c = 0; c < 4; ++c) store(0, c, Lanes{acc[2 * c], acc[2 * c + 1]});
+}
+
+// Rows of x a strip takes at a time: fp32 six (12 accumulators, the strip's two weight
+// vectors and a broadcast: 15 registers); bf16 five, since a pair's two dims hold four
+// weight vectors (six spilled: 36 -> 81 GFLOP/s on one core with the tile in L2; four
+// gave 75).
+template <typename T>
+constexpr int kRows = std::is_same_v<T, float> ? 6 : 5;
+
+// A tile's 64 outputs for n rows of x: kRows<T> rows at a time through the four strips,
+// then the rest (one row: `row_tile`). With `next` (n >= 12: the tile meets two or more
+// blocks), its lines are prefetched, spread over the blocks' strips.
+template <typename T, typename Store>
+inline void tile_rows(const float* x, int64_t xs, const T* wt, int64_t S, int64_t n,
+                      Store&& store, const T* next = nullptr) {
+  constexpr int R = kRows<T>;
+  const auto from = [&store](int64_t base) {
+    return [&store, base](int m, int c, Lanes y) { store(base + m, c, y); };
+  };
+  const int64_t lines = S * kCols * kStep<T> * static_cast<int64_t>(sizeof(T)) / 64;
+  const int64_t blocks = (n + R - 1) / R, per_block = (lines + blocks - 1) / blocks;
+  const int64_t per_strip = (per_block + 3) / 4;
+  const auto ahead = [&](int64_t m, int c) {
+    if (next == nullptr || n < 12) return Prefetch{};
+    const int64_t done = m / R * per_block + c * per_strip;
+    return Prefetch{reinterpret_cast<const char*>(next) + done * 64,
+                    std::max<int64_t>(0, std::min(per_strip, lines - done))};
+  };
+  int64_t m = 0;
+  for (; m + R <= n; m += R)
+    for (int c = 0; c < 4; ++c) strip<T, R>(x + m * xs, xs, wt, S, c, from(m), ahead(m, c));
+  const float* xr = x + m * xs;
+  const auto strips = [&](auto rows) {
+    for (int c = 0; c < 4; ++c)
+      strip<T, decltype(rows)::value>(xr, xs, wt, S, c, from(m), ahead(m, c));
+  };
+  switch (n - m) {  // fewer than R
+    case 5: strips(std::integral_constant<int, 5>{}); break;
+    case 4: strips(std::integral_constant<int, 4>{}); break;
+    case 3: strips(std::integral_constant<int, 3>{}); break;
+    case 2: strips(std::integral_constant<int, 2>{}); break;
+    case 1: row_tile<T>(xr, wt, S, from(m), ahead(m, 0)); break;
+    default: break;
+  }
+}
+
+// x's rows as the kernel reads them: fp32 (bf16 rows widened once per block of rows).
+template <typename T>
+using Input = float;
+#endif  // SWITCHYARD_LINEAR_AVX2
+
+#if defined(SWITCHYARD_LINEAR_F32)
+// A block of x's rows in the form the kernel reads (`Input<T>`): the rows themselves, or
+// on AVX2 in bf16 their fp32 values, widened into this thread's buffer.
+template <typename T>
+struct RowBlock {
+  std::vector<float> wide;
+
+  std::pair<const Input<T>*, int64_t> of(const T* x, int64_t xs, int64_t n, int64_t K) {
+    if constexpr (std::is_same_v<Input<T>, T>) {
+      return {x, xs};
+    } else {
+      wide.resize(n * K);
+      for (int64_t m = 0; m < n; ++m)
+        for (int64_t k = 0; k < K; ++k) {
+          const uint32_t bits = static_cast<uint32_t>(x[m * xs + k]) << 16;
+          std::memcpy(&wide[m * K + k], &bits, sizeof bits);
+        }
+      return {wide.data(), K};
+    }
+  }
+};
+
+// Rows of x in blocks of about 128 KiB, kept in L2 while they meet each of the thread's
+// tiles (a prompt's x is megabytes), but never fewer than 96: every block streams all the
+// weights again, from memory once they outgrow L3, and a decode step's rows must be one
+// block (Zen 3, fp32, K 2048, [6144, 2048] weights: batch 16 13.5 -> 6.7 ms, batch 64
+// 33.3 -> 16.4; the 128 KiB rule gave blocks of 12 rows there).
+template <typename T>
+int64_t row_block(int64_t K) {
+  return std::max<int64_t>(96, (128 * 1024 / (K * sizeof(T))) / 6 * 6);
+}
+
+// x [M, K] (rows xs apart) times the packed tiles [T] into out [M, 64 T].
+template <typename T>
+void run(const T* xp, int64_t xs, int64_t M, int64_t K, const T* wp, int64_t T_, const float* bf,
+         T* op) {
+  const int64_t N = T_ * kCols, S = K / kStep<T>, block = row_block<T>(K);
+  at::parallel_for(0, T_, 1, [&](int64_t t0, int64_t t1) {
+    RowBlock<T> rows;
+    for (int64_t m0 = 0; m0 < M; m0 += block) {
+      const int64_t n = std::min(M, m0 + block) - m0;
+      const auto [x, stride] = rows.of(xp + m0 * xs, xs, n, K);
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* b = bf ? bf + t * kCols : nullptr;
+        T* o = op + m0 * N + t * kCols;
+        const T* next = t + 1 < t1 ? wp + (t + 1) * K * kCols : nullptr;
+        tile_rows<T>(
+            x, stride, wp + t * K * kCols, S, n,
+            [&](int64_t m, int c, Lanes y) {
+              if (b) y = lanes_add(y, lanes_load(b + c * 16));
+              store16(o + m * N + c * 16, y);
+            },
+            next);
+      }
+    }
+  });
+}
+
 // silu(x W_gate^T) * (x W_up^T) into out [M, 64 P] from the pairs [P] of (gate tile, up
 // tile) that `pack_gated` makes: a pair's gate sums wait in fp32 (a row block's, in L1/L2)
 // while its up tile runs, whose epilogue applies SiLU and the product. bf16 rounds where
@@ -263,28 +500,26 @@ void run_gated(const T* xp, int64_t xs, int64_t M, int64_t K, const T* wp, int64
   const int64_t N = P_ * kCols, S = K / kStep<T>, block = row_block<T>(K);
   at::parallel_for(0, P_, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> gates(std::min(M, block) * kCols);
+    RowBlock<T> rows;
     for (int64_t m0 = 0; m0 < M; m0 += block) {
       const int64_t n = std::min(M, m0 + block) - m0;
-      const T* x = xp + m0 * xs;
+      const auto [x, xs_in] = rows.of(xp + m0 * xs, xs, n, K);
       for (int64_t p = p0; p < p1; ++p) {
         const T* wg = wp + 2 * p * K * kCols;
         float* g = gates.data();
         const T* wu = wg + K * kCols;  // its up tile, prefetched while the gate runs
         tile_rows<T>(
-            x, xs, wg, S, n,
-            [g](int64_t m, int c, __m512 y) {
-              _mm512_storeu_ps(g + m * kCols + c * 16, as_stored<T>(y));
+            x, xs_in, wg, S, n,
+            [g](int64_t m, int c, Lanes y) {
+              lanes_store(g + m * kCols + c * 16, as_stored<T>(y));
             },
             wu);
         T* o = op + m0 * N + p * kCols;
         tile_rows<T>(
-            x, xs, wu, S, n,
-            [g, o, N](int64_t m, int c, __m512 y) {
-              const __m512 gate = _mm512_loadu_ps(g + m * kCols + c * 16);
-              const __m512 one = _mm512_set1_ps(1.f);
-              const __m512 e = switchyard::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
-              const __m512 act = as_stored<T>(_mm512_div_ps(gate, _mm512_add_ps(one, e)));
-              store16(o + m * N + c * 16, _mm512_mul_ps(act, as_stored<T>(y)));
+            x, xs_in, wu, S, n,
+            [g, o, N](int64_t m, int c, Lanes y) {
+              const Lanes act = as_stored<T>(silu(lanes_load(g + m * kCols + c * 16)));
+              store16(o + m * N + c * 16, lanes_mul(act, as_stored<T>(y)));
             },
             p + 1 < p1 ? wu + K * kCols : nullptr);
       }
@@ -324,7 +559,8 @@ void check_gated(const at::Tensor& packed) {
 }
 
 void check_x(const at::Tensor& x, at::ScalarType dt, int64_t K, const char* what) {
-  TORCH_CHECK(runs(dt), what, ": this CPU cannot run ", dt, " (AVX-512; bf16: AVX512-BF16)");
+  TORCH_CHECK(runs(dt), what, ": this CPU cannot run ", dt,
+              " (AVX-512, bf16 also AVX512-BF16; or AVX2 with FMA)");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == dt && x.dim() == 2 && x.stride(1) == 1,
               what, ": x a CPU [M, K] in the weight's dtype with contiguous rows");
   TORCH_CHECK(x.size(1) == K, what, ": x has ", x.size(1), " columns, the weight ", K);
@@ -335,7 +571,7 @@ uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_
 }  // namespace
 
 // Whether this build runs `dtype` ("float32" or "bfloat16"): AVX-512, and for bf16
-// AVX512-BF16.
+// AVX512-BF16; or AVX2 with FMA, both.
 bool supports(const std::string& dtype) {
   return runs(dtype == "bfloat16" ? at::kBFloat16 : dtype == "float32" ? at::kFloat : at::kDouble);
 }

@@ -1,10 +1,42 @@
-// Vector math shared by the native kernels (AVX-512): exp and the pieces of a softmax.
+// Vector math shared by the native kernels (AVX-512; exp also AVX2): exp and the pieces of a
+// softmax.
 //
 // A row's softmax was a scalar max, an `omp simd` loop of std::exp and a scalar loop
 // rounding the probabilities to bf16; in the prompt-attention kernel that was 40% of a
 // 272-token prompt's time. These are one vector pass for the max and one for exp, sum and
 // the store (272 tokens: 0.48 -> 0.37 ms, alternating in one process).
 #pragma once
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace switchyard {
+
+// exp(x) in 8 lanes for AVX2 CPUs: exp16's method (2^n p(r), the same polynomial, the same
+// clamps), with 2^n built in the exponent bits since AVX2 has no scalef. x below -87.3
+// gives 0; n stays in [-126, 127], so 2^n is a normal float.
+inline __m256 exp8(__m256 x) {
+  const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i two_n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
+}
+
+}  // namespace switchyard
+
+#endif  // __AVX2__ && __FMA__
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

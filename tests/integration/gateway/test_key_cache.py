@@ -54,7 +54,9 @@ def test_a_key_revoked_behind_the_gateways_back_stops_within_the_ttl(redis_url):
             assert eventually(
                 lambda: c.post("/v1/completions", json=BODY).status_code == 401, timeout_s=5
             )
-            assert time.monotonic() - revoked_at < ttl_s + 0.5
+            # Within the TTL, give or take a few requests' latency on a loaded 2-core
+            # machine (the default TTL would take a minute).
+            assert time.monotonic() - revoked_at < ttl_s + 1.5
 
 
 def test_a_change_through_this_gateways_admin_api_applies_on_the_next_request(redis_url):

@@ -1,6 +1,6 @@
 """The native linear layers against a float64 reference and torch's linear, fp32 and bf16.
 
-On a CPU with AVX-512 (bf16: and AVX512-BF16) the kernel must be built: the test fails,
+On a CPU with AVX-512 (bf16: and AVX512-BF16) or AVX2 the kernel must be built: the test fails,
 not skips, if it is not (the engine would silently run oneDNN's slower small-batch path);
 elsewhere it must say it is absent."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.cpu import cpu_flags, has_avx512_bf16
+from tests.support.cpu import runs_native_linear
 from workers import native
-from workers.model import LayerWeights, ModelWeights, pack_weights, packed_linear
+from workers.model import LayerWeights, ModelWeights, can_pack, pack_weights, packed_linear
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
@@ -18,8 +18,7 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=[
 def kernel_for(dtype: torch.dtype):
     name = str(dtype).removeprefix("torch.")
     k = native.linear(name)
-    runs = has_avx512_bf16() if dtype == torch.bfloat16 else "avx512f" in cpu_flags()
-    if not runs:
+    if not runs_native_linear(name):
         assert k is None
         pytest.skip(f"this CPU cannot run the {name} kernel: checked that it says so")
     assert k is not None, "the native kernel did not build (see the log)"
@@ -103,13 +102,17 @@ def one_layer_model(dtype, intermediate: int) -> tuple[LayerWeights, ModelWeight
 
 @DTYPES
 def test_the_model_packs_what_the_kernel_takes_and_oneDNN_the_rest(dtype):
-    """Matrices with a multiple of 64 rows go to our tiles, any other to oneDNN's layout;
-    `packed_linear` runs each in its own kernel, and both agree with F.linear."""
+    """Matrices with a multiple of 64 rows go to our tiles, any other to oneDNN's layout
+    (left dense where oneDNN cannot run the dtype: bf16 on an AVX2 CPU); `packed_linear`
+    runs each in its own kernel, and all agree with F.linear."""
     kernel = kernel_for(dtype)
+    onednn = can_pack(torch.device("cpu"), dtype)
     layer, model = one_layer_model(dtype, intermediate=50)  # gate_up 100 rows: not our tiles
-    packed = pack_weights(model, kernel).layers[0]
+    packed = pack_weights(model, kernel, onednn).layers[0]
     assert not packed.qkv.is_mkldnn and not packed.o.is_mkldnn
-    assert packed.gate_up.is_mkldnn
+    assert packed.qkv.dim() > 2
+    assert packed.gate_up.is_mkldnn == onednn
+    assert onednn or torch.equal(packed.gate_up, layer.gate_up)
     x = torch.randn(3, 128).to(dtype)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
     for name in ("qkv", "gate_up"):
@@ -183,9 +186,10 @@ def test_the_model_runs_its_mlp_up_in_one_pass_where_it_can(dtype, intermediate)
     kernel = kernel_for(dtype)
     layer, model = one_layer_model(dtype, intermediate)
     gate_up = layer.gate_up
-    packed = pack_weights(model, kernel).layers[0].gate_up
+    onednn = can_pack(torch.device("cpu"), dtype)
+    packed = pack_weights(model, kernel, onednn).layers[0].gate_up
     assert packed.dim() == (5 if intermediate % 64 == 0 else 2)
-    assert packed.is_mkldnn == (intermediate % 64 != 0)
+    assert packed.is_mkldnn == (onednn and intermediate % 64 != 0)
     x = torch.randn(9, 128).to(dtype)
     got = gated_mlp_up(x, packed, packed_linear, TorchOps(1e-6))
     tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
