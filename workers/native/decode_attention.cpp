@@ -26,7 +26,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -301,7 +301,122 @@ void task_bf16(const uint16_t* q_heads, int64_t q_stride, int64_t G, const Run<u
 }
 #endif
 
-// The same without AVX-512 (or at another head dim): q_heads are G rows, scaled first.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// AVX2 (Zen 3): task_avx512's method 8 lanes wide, without its prefetches (this CPU's
+// hardware prefetcher follows a run's keys and values unaided). A row of D values is
+// D / 8 vectors, in an order that costs one instruction per vector to widen: fp32 in
+// order; bf16 16 values at a time, a shift giving the even ones and a mask the odd
+// (vector 2c holds dims 16c, 16c + 2, .., vector 2c + 1 dims 16c + 1, 16c + 3, ..). Query
+// and output take the same order, so the dot products and the weighted sums are those
+// of the rows as stored (Zen 3, 8 layers at batch 64, 256 tokens: bf16 16.3 -> 12.1 ms
+// against the scalar loops, medians of five alternating rounds; fp32 25.3 -> 17.9).
+
+// The dim of lane i of vector j.
+template <typename T>
+inline int64_t dim_of(int64_t j, int64_t i) {
+  if constexpr (std::is_same_v<T, float>) {
+    return 8 * j + i;
+  } else {
+    return 16 * (j / 2) + 2 * i + j % 2;
+  }
+}
+
+// The D / 8 vectors (V) of a row of D values, as fp32.
+template <int V>
+inline void widen(const float* p, __m256* out) {
+  for (int j = 0; j < V; ++j) out[j] = _mm256_loadu_ps(p + 8 * j);
+}
+
+template <int V>
+inline void widen(const at::BFloat16* p, __m256* out) {
+  const __m256i odd_mask = _mm256_set1_epi32(-65536);
+  for (int c = 0; c < V / 2; ++c) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * c));
+    out[2 * c] = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    out[2 * c + 1] = _mm256_castsi256_ps(_mm256_and_si256(x, odd_mask));
+  }
+}
+
+// r[j] = sum of the 8 lanes of a[j], j < 8: two rounds of pairwise adds, then the two
+// 128-bit halves.
+inline __m256 sum8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                       _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+inline float hsum8(__m256 a) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+// The unscaled q.k of one key (V vectors), in 8 lanes to be summed.
+template <typename T, int V>
+inline __m256 dot_lanes(const __m256* q, const T* k) {
+  __m256 kv[V];
+  widen<V>(k, kv);
+  __m256 a = _mm256_mul_ps(q[0], kv[0]);
+  for (int j = 1; j < V; ++j) a = _mm256_fmadd_ps(q[j], kv[j], a);
+  return a;
+}
+
+// One (sequence, KV head) task with head_dim = 8 * V: scores in 8-key blocks, softmax,
+// then the values weighted into V accumulators per query head.
+template <typename T, int V>
+void task_avx2(const T* q_heads, int64_t q_stride, int64_t G, const Run<T>* runs,
+               int64_t num_runs, int64_t L, float scale, float* scores, float* inv, T* out,
+               int64_t o_stride) {
+  constexpr int64_t D = 8 * V;
+  alignas(32) float lanes[D];
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t j = 0; j < V; ++j)
+      for (int64_t i = 0; i < 8; ++i) lanes[8 * j + i] = load(q_heads + g * q_stride + dim_of<T>(j, i));
+    __m256 q[V];
+    for (int j = 0; j < V; ++j) q[j] = _mm256_load_ps(lanes + 8 * j);
+    float* sg = scores + g * L;
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int64_t r = 0; r < num_runs; ++r) {
+      const T* kr = runs[r].k;
+      const int64_t n = runs[r].n;
+      int64_t t = 0;
+      for (; t + 8 <= n; t += 8) {
+        __m256 acc[8];
+        for (int j = 0; j < 8; ++j) acc[j] = dot_lanes<T, V>(q, kr + (t + j) * D);
+        _mm256_storeu_ps(sg + t, _mm256_mul_ps(sum8(acc), sc));
+      }
+      for (; t < n; ++t) sg[t] = hsum8(dot_lanes<T, V>(q, kr + t * D)) * scale;
+      sg += n;
+    }
+    inv[g] = softmax_unnormalised(scores + g * L, L);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 acc[V];
+    for (int j = 0; j < V; ++j) acc[j] = _mm256_setzero_ps();
+    const float* sg = scores + g * L;
+    for (int64_t r = 0; r < num_runs; ++r) {
+      const T* vr = runs[r].v;
+      const int64_t n = runs[r].n;
+      for (int64_t t = 0; t < n; ++t) {
+        const __m256 p = _mm256_set1_ps(sg[t]);
+        __m256 vv[V];
+        widen<V>(vr + t * D, vv);
+        for (int j = 0; j < V; ++j) acc[j] = _mm256_fmadd_ps(p, vv[j], acc[j]);
+      }
+      sg += n;
+    }
+    const __m256 w = _mm256_set1_ps(inv[g]);
+    for (int j = 0; j < V; ++j) _mm256_store_ps(lanes + 8 * j, _mm256_mul_ps(acc[j], w));
+    T* og = out + g * o_stride;
+    for (int64_t j = 0; j < V; ++j)
+      for (int64_t i = 0; i < 8; ++i) store(og + dim_of<T>(j, i), lanes[8 * j + i]);
+  }
+}
+#endif
+
+// The same without AVX-512 or AVX2 (or at another head dim): q_heads are G rows, scaled
+// first.
 template <typename T>
 void task_scalar(const T* q_heads, int64_t q_stride, int64_t G, int64_t D, const Run<T>* runs,
                  int64_t num_runs, int64_t L, float scale, float* scores, float* inv, float* qf,
@@ -394,6 +509,16 @@ void attend(const at::Tensor& q, int64_t Hkv, const int64_t* lp, int64_t max_run
         } else {
           task_avx512<T, 8>(qh, q_s1, G, runs.data(), num_runs, L, scale, scores.data(),
                             inv.data(), oh, o_s1, next_k, next_n);
+        }
+      } else
+#elif defined(__AVX2__) && defined(__FMA__)
+      if (D == 64 || D == 128) {
+        if (D == 64) {
+          task_avx2<T, 8>(qh, q_s1, G, runs.data(), num_runs, L, scale, scores.data(),
+                          inv.data(), oh, o_s1);
+        } else {
+          task_avx2<T, 16>(qh, q_s1, G, runs.data(), num_runs, L, scale, scores.data(),
+                           inv.data(), oh, o_s1);
         }
       } else
 #endif
