@@ -39,7 +39,16 @@ class Worker:
         cmd += ["--port", str(self.port), "--config", str(config), "--tensor-parallel", "2"]
         cmd += ["--served-model-name", "small"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log.open("wb"))
-        wait_ready(self.url, timeout_s=120)
+        self.ranks: list[psutil.Process] = []
+        try:
+            wait_ready(self.url, timeout_s=120)
+        except BaseException:  # a worker that never came up must not outlive the test
+            try:
+                self.ranks = psutil.Process(self.proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
+            self.stop()
+            raise
         self.ranks = [
             p
             for p in psutil.Process(self.proc.pid).children()

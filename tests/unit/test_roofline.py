@@ -79,3 +79,42 @@ def test_the_gemm_peak_includes_our_kernel_where_it_is_built():
     assert rates["torch"] > 0
     assert ("native" in rates) == (native.linear("float32") is not None)
     assert set(bandwidth_rates(num_bytes=2**20, repeats=1)) == {"copy", "sum"}
+
+
+class FakeClock:
+    """perf_counter for `roofline`, advanced only by the timed function."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_best_rate_times_every_repeat_within_its_budget_and_only_the_warm_up_past_it(
+    monkeypatch,
+):
+    from benchmarks import roofline
+
+    clock = FakeClock()
+    monkeypatch.setattr(roofline.time, "perf_counter", clock)
+    calls = []
+
+    def work_for(seconds: list[float]):
+        def fn() -> None:
+            clock.now += seconds[len(calls)]
+            calls.append(seconds[len(calls)])
+
+        return fn
+
+    # Fast calls: the warm-up, then every repeat; the best is the fastest repeat's.
+    assert roofline._best_rate(work_for([1.0, 0.5, 0.25, 0.5]), 10.0, repeats=3) == 40.0
+    assert len(calls) == 4
+    # A warm-up past the budget is the only call, and its rate is the answer.
+    calls.clear()
+    assert roofline._best_rate(work_for([20.0]), 10.0, repeats=3, budget_s=5.0) == 0.5
+    assert len(calls) == 1
+    # Repeats stop once the budget is spent.
+    calls.clear()
+    rate = roofline._best_rate(work_for([2.0, 2.0, 4.0, 1.0]), 8.0, repeats=3, budget_s=5.0)
+    assert rate == 4.0 and len(calls) == 3
