@@ -8,7 +8,8 @@ minutes apart differ by more than the levers do. Configurations:
 
 - `fast path`: everything on (the engine's defaults on a CPU);
 - `oneDNN weights`: the same weights packed for oneDNN instead of for our linear
-  kernel (`workers.native.linear`); the fast path where that kernel is off;
+  kernel (`workers.native.linear`); the fast path where that kernel is off; where oneDNN
+  cannot run the dtype (bf16 on an AVX2 CPU) the same as `dense weights`;
 - `dense weights`: linear weights through `F.linear` instead of packed;
 - `torch ops`: RMSNorm, rotary and SiLU x gate as torch ops, not the fused kernels;
 - `torch attention`: workspace decode attention in SDPA, not the native kernel;
@@ -71,7 +72,9 @@ def _unpacked(weights, kernel):
 
 def fast_path_parts(engine) -> _Parts | None:
     """The levers of an engine built with the CPU fast path on; None if it is not."""
-    from workers.model import TorchOps, pack_weights
+    import torch
+
+    from workers.model import TorchOps, can_pack, pack_weights
 
     runner, model = engine.runner, engine.runner.model
     if not (runner.packed and runner.fused_ops and runner.decode_kernel is not None):
@@ -79,7 +82,7 @@ def fast_path_parts(engine) -> _Parts | None:
     dense = _unpacked(model.weights, runner.linear_kernel)
     onednn = model.weights
     if runner.linear_kernel is not None:
-        onednn = pack_weights(dense)
+        onednn = pack_weights(dense, onednn=can_pack(torch.device("cpu"), runner.dtype))
     return _Parts(
         model.weights,
         onednn,
