@@ -262,8 +262,9 @@ using Input = T;
 // fp32 vectors exactly; x's rows are widened to fp32 once per block of rows (`Input`).
 // Zen 3, 2 cores, [6144, 2048] weights cycled from memory, against oneDNN (fp32; its bf16
 // does not run without AVX-512) and F.linear (bf16):
-//   fp32: batch 1 2.97 vs 4.65 ms, 16: 6.73 vs 7.74, 64: 16.4 vs 14.6;
-//   bf16: batch 1 1.70 vs 2.70 ms, 16: 4.60 vs 24.1, 64: 14.4 vs 92.4.
+//   fp32: batch 1 2.20 vs 2.95 ms, 16: 5.43 vs 6.46, 64: 16.6 vs 17.6, 256: 63.7 vs 42.3
+//         (a 2048-deep fp32 tile, 512 KiB, overflows Zen 3's L2: oneDNN wins on prompts);
+//   bf16: batch 1 1.35 vs 1.60 ms, 16: 3.42 vs 21.0, 64: 10.3 vs 83.2, 256: 47.1 vs 325.
 
 // The fp32 results of 16 columns of a tile, and what the epilogues do with them.
 struct Lanes {
