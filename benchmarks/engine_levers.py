@@ -72,8 +72,6 @@ def _unpacked(weights, kernel):
 
 def fast_path_parts(engine) -> _Parts | None:
     """The levers of an engine built with the CPU fast path on; None if it is not."""
-    import torch
-
     from workers.model import TorchOps, can_pack, pack_weights
 
     runner, model = engine.runner, engine.runner.model
@@ -82,7 +80,7 @@ def fast_path_parts(engine) -> _Parts | None:
     dense = _unpacked(model.weights, runner.linear_kernel)
     onednn = model.weights
     if runner.linear_kernel is not None:
-        onednn = pack_weights(dense, onednn=can_pack(torch.device("cpu"), runner.dtype))
+        onednn = pack_weights(dense, onednn=can_pack(runner.device, runner.dtype))
     return _Parts(
         model.weights,
         onednn,

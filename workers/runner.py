@@ -127,17 +127,15 @@ class ModelRunner:
             cfg = shard.local_config(cfg)
         self.num_parameters = weights.num_parameters()
         fused = None
-        if config.native_kernels and self.device.type == "cpu" and self.dtype in NATIVE_DTYPES:
+        native_cpu = (
+            config.native_kernels and self.device.type == "cpu" and self.dtype in NATIVE_DTYPES
+        )
+        if native_cpu:
             fused = native.fused_ops()
         self.fused_ops = fused is not None
         onednn = can_pack(self.device, self.dtype)
         self.linear_kernel = None  # the native linear layers, when the weights use them
-        if (
-            config.packed_weights
-            and config.native_kernels
-            and self.device.type == "cpu"
-            and self.dtype in NATIVE_DTYPES
-        ):
+        if config.packed_weights and native_cpu:
             self.linear_kernel = native.linear(str(self.dtype).removeprefix("torch."))
         self.packed = config.packed_weights and (onednn or self.linear_kernel is not None)
         if self.packed:
@@ -190,16 +188,15 @@ class ModelRunner:
             )
         # Prompt chunks attend through our kernel where it runs (head dim 64/128, AVX-512).
         self.prefill_kernel = None
-        if config.native_kernels and self.device.type == "cpu" and self.dtype in NATIVE_DTYPES:
+        if native_cpu:
             self.prefill_kernel = native.prefill_attention(config.dtype, cfg.head_dim)
         # Decodes without a workspace row read their blocks in place through our kernel.
         self.paged_kernel = None
-        if config.native_kernels and self.device.type == "cpu" and self.dtype in NATIVE_DTYPES:
+        if native_cpu:
             self.paged_kernel = native.paged_decode_attention()
         self.decode_kernel = None
-        if self.workspace is not None and config.native_kernels and self.dtype in NATIVE_DTYPES:
-            if self.device.type == "cpu":
-                self.decode_kernel = native.decode_attention()
+        if self.workspace is not None and native_cpu:
+            self.decode_kernel = native.decode_attention()
         log.info(
             "loaded %s (%s, %.1fM parameters, %s%s on %s, %d threads) in %.1fs; KV cache holds "
             "%d tokens (%d blocks of %d, %.2f GiB)",

@@ -329,11 +329,10 @@ inline void widen(const float* p, __m256* out) {
 
 template <int V>
 inline void widen(const at::BFloat16* p, __m256* out) {
-  const __m256i odd_mask = _mm256_set1_epi32(-65536);
   for (int c = 0; c < V / 2; ++c) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * c));
-    out[2 * c] = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
-    out[2 * c + 1] = _mm256_castsi256_ps(_mm256_and_si256(x, odd_mask));
+    out[2 * c] = switchyard::bf16_even8(x);
+    out[2 * c + 1] = switchyard::bf16_odd8(x);
   }
 }
 

@@ -141,7 +141,6 @@ struct Step<uint16_t> {
 };
 #endif
 
-
 // One tile's 64 outputs for MR rows of x (row stride xs), over S steps of the input; KU
 // independent partial sums per output so that enough chains are in flight. Each sum goes
 // to store(row, vector c of the tile, the fp32 sums of columns 16 c .. 16 c + 15); `ahead`
@@ -321,14 +320,6 @@ inline Lanes as_stored(Lanes v) {
   return {as_stored8<T>(v.lo), as_stored8<T>(v.hi)};
 }
 
-// The two fp32 vectors (8 columns each) of a bf16 pair's even and odd input dim.
-inline __m256 even_dim(__m256i pairs) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-}
-inline __m256 odd_dim(__m256i pairs) {
-  return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(-65536)));
-}
-
 template <int MR>
 __attribute__((always_inline)) inline void fma_rows(__m256 (&acc)[MR][2], const float* x,
                                                     int64_t xs, __m256 w0, __m256 w1) {
@@ -352,11 +343,12 @@ __attribute__((always_inline)) inline void strip(const float* x, int64_t xs, con
     ahead.next(1);
     if constexpr (std::is_same_v<T, float>) {
       fma_rows<MR>(acc, x + s, xs, _mm256_loadu_ps(w), _mm256_loadu_ps(w + 8));
-    } else {
+    } else {  // 8 columns' (even, odd) input dims a load
+      using switchyard::bf16_even8, switchyard::bf16_odd8;
       const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
       const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16));
-      fma_rows<MR>(acc, x + 2 * s, xs, even_dim(p0), even_dim(p1));
-      fma_rows<MR>(acc, x + 2 * s + 1, xs, odd_dim(p0), odd_dim(p1));
+      fma_rows<MR>(acc, x + 2 * s, xs, bf16_even8(p0), bf16_even8(p1));
+      fma_rows<MR>(acc, x + 2 * s + 1, xs, bf16_odd8(p0), bf16_odd8(p1));
     }
   }
   for (int m = 0; m < MR; ++m) store(m, c, Lanes{acc[m][0], acc[m][1]});
@@ -379,7 +371,8 @@ __attribute__((always_inline)) inline void row_tile(const float* x, const T* wt,
       const __m256 xe = _mm256_broadcast_ss(x + 2 * s), xo = _mm256_broadcast_ss(x + 2 * s + 1);
       for (int j = 0; j < 8; ++j) {
         const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * j));
-        acc[j] = _mm256_fmadd_ps(xo, odd_dim(p), _mm256_fmadd_ps(xe, even_dim(p), acc[j]));
+        const __m256 even = switchyard::bf16_even8(p), odd = switchyard::bf16_odd8(p);
+        acc[j] = _mm256_fmadd_ps(xo, odd, _mm256_fmadd_ps(xe, even, acc[j]));
       }
     }
   }
@@ -459,8 +452,8 @@ struct RowBlock {
 
 // Rows of x in blocks of about 128 KiB, kept in L2 while they meet each of the thread's
 // tiles (a prompt's x is megabytes), but never fewer than 96: every block streams all the
-// weights again, from memory once they outgrow L3, and a decode step's rows must be one
-// block (Zen 3, fp32, K 2048, [6144, 2048] weights: batch 16 13.5 -> 6.7 ms, batch 64
+// weights again, from memory once they outgrow L3, so a decode step of up to 96 rows is
+// one block (Zen 3, fp32, K 2048, [6144, 2048] weights: batch 16 13.5 -> 6.7 ms, batch 64
 // 33.3 -> 16.4; the 128 KiB rule gave blocks of 12 rows there).
 template <typename T>
 int64_t row_block(int64_t K) {

@@ -34,6 +34,15 @@ inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
 }
 
+// A 256-bit load of 16 bf16 values as two fp32 vectors, exactly: the even-indexed values
+// (each 32-bit lane's low half, shifted up) and the odd-indexed ones (its high half).
+inline __m256 bf16_even8(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+}
+inline __m256 bf16_odd8(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(-65536)));
+}
+
 }  // namespace switchyard
 
 #endif  // __AVX2__ && __FMA__
