@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.integration.test_engine_correctness import make_prompts
-from tests.support.cpu import runs_native_linear, runs_native_prefill
+from tests.support.cpu import runs_native_kernels
 from workers.config import EngineConfig, SchedulerConfig
 from workers.engine import LLMEngine
 from workers.sampling_params import SamplingParams
@@ -50,9 +50,9 @@ def test_bf16_engine_is_close_to_transformers_bf16(arch, workspace, checkpoints,
         ),
     )
     assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
-    if arch == "llama-head64" and runs_native_prefill("bfloat16"):
+    if arch == "llama-head64" and runs_native_kernels("bfloat16"):
         assert engine.runner.prefill_kernel is not None  # whole prompts take the native kernel
-    if runs_native_linear("bfloat16"):  # the linear layers run on our kernel (o: 64 rows or more)
+    if runs_native_kernels("bfloat16"):  # the linear layers run on our kernel (o: 64 rows or more)
         assert engine.runner.linear_kernel is not None
         assert not engine.runner.model.weights.layers[0].o.is_mkldnn
     prompts = make_prompts(6, seed=5, lo=10, hi=60)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.support.checkpoints import ARCHITECTURES, VOCAB, load_reference, reference_greedy
-from tests.support.cpu import runs_native_prefill
+from tests.support.cpu import runs_native_kernels
 from workers.config import EngineConfig, SchedulerConfig
 from workers.engine import LLMEngine
 from workers.sampling_params import SamplingParams
@@ -151,7 +151,7 @@ def test_native_prompt_attention_in_fp32_matches_transformers(case, head64):
         engine = make_engine(path)
         # (seed 8 has a near-tie at one position that SDPA and torch's ops flip too)
         prompts = make_prompts(5, seed=11, lo=3, hi=60)
-    assert (engine.runner.prefill_kernel is not None) == runs_native_prefill("float32")
+    assert (engine.runner.prefill_kernel is not None) == runs_native_kernels("float32")
     if case == "prefix-hits":
         shared = make_prompts(1, seed=9, lo=40, hi=40)[0]
         prompts = [shared + tail for tail in make_prompts(4, seed=10, lo=5, hi=20)]

@@ -12,17 +12,11 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
-def runs_native_prefill(dtype: str) -> bool:
-    """Whether the native prompt-attention kernel runs `dtype` here: AVX-512, and for
-    bf16 the bf16 dot-product instructions too."""
-    need = {"avx512f"} | ({"avx512_bf16"} if dtype == "bfloat16" else set())
-    return need <= cpu_flags()
-
-
-def runs_native_linear(dtype: str) -> bool:
-    """Whether the native linear layers (`workers.native.linear`) run `dtype` here:
-    AVX-512 (bf16: with the bf16 dot-product instructions), or else AVX2 with FMA, which
-    runs both dtypes (bf16 widened to fp32)."""
+def runs_native_kernels(dtype: str) -> bool:
+    """Whether the native linear layers (`workers.native.linear`) and prompt attention
+    (`workers.native.prefill_attention`) run `dtype` here: AVX-512 (bf16: with the bf16
+    dot-product instructions), or else AVX2 with FMA, which runs both dtypes (bf16 widened
+    to fp32)."""
     flags = cpu_flags()
     if "avx512f" in flags:
         return dtype != "bfloat16" or "avx512_bf16" in flags

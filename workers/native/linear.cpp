@@ -287,14 +287,7 @@ inline __m256 silu8(__m256 g) {
 }
 inline Lanes silu(Lanes g) { return {silu8(g.lo), silu8(g.hi)}; }
 
-// fp32 -> bf16 bits (in each lane's low half) rounded to nearest even, as fused_ops'
-// bf16_bits (c10's rounding of finite values).
-inline __m256i bf16_round8(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  return _mm256_srli_epi32(
-      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-}
+using switchyard::bf16_round8;
 
 inline void store16(float* out, Lanes y) { lanes_store(out, y); }
 

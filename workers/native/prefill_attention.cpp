@@ -51,15 +51,38 @@
 #if defined(__AVX512BF16__)
 #define SWITCHYARD_PREFILL_BF16 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#include "vec_math.h"
+#define SWITCHYARD_PREFILL_AVX2 1  // fp32 and bf16, in fp32
 #endif
 
 namespace {
 
+#if defined(SWITCHYARD_PREFILL) || defined(SWITCHYARD_PREFILL_AVX2)
+constexpr int64_t kQueries = 16;  // query tokens per task
+constexpr int64_t kGroups = 32;  // key groups (fp32: keys; bf16: pairs) per chunk of values
+
+// A buffer of at least n elements that lives as long as the thread (the engine's, and
+// the OpenMP pool's): a fresh allocation of the packed keys (megabytes) on every call
+// page-faulted its way in, about 1 ms a layer in fp32 over 2,048 keys.
+template <typename T>
+T* scratch(std::vector<T>& buf, int64_t n) {
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+template <typename T>
+thread_local std::vector<T> packed_keys;
+template <typename T>
+thread_local std::vector<T> packed_values;
+
+#endif
+
 #if defined(SWITCHYARD_PREFILL)
 
 constexpr int64_t kKeys = 16;  // keys per packed block (one vector of fp32 scores)
-constexpr int64_t kQueries = 16;  // query tokens per task
-constexpr int64_t kGroups = 32;  // key groups (fp32: keys; bf16: pairs) per chunk of values
 
 // Storage types: float, or uint16_t holding bf16 bits. kPair: values side by side in a
 // packed lane (bf16 pairs for VDPBF16PS).
@@ -241,20 +264,6 @@ inline void put16(uint16_t* o, __m512 x) {
 }
 #endif
 
-// A buffer of at least n elements that lives as long as the thread (the engine's, and
-// the OpenMP pool's): a fresh allocation of the packed keys (megabytes) on every call
-// page-faulted its way in, about 1 ms a layer in fp32 over 2,048 keys.
-template <typename T>
-T* scratch(std::vector<T>& buf, int64_t n) {
-  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
-  return buf.data();
-}
-
-template <typename T>
-thread_local std::vector<T> packed_keys;
-template <typename T>
-thread_local std::vector<T> packed_values;
-
 // q [nq, Hq, D]; k, v [nk, Hkv, D] with nk >= nq: query i sits at position nk - nq + i and
 // sees keys 0 .. nk - nq + i.
 template <typename T, int64_t D>
@@ -364,13 +373,294 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float sc
 
 #endif  // SWITCHYARD_PREFILL
 
+#if defined(SWITCHYARD_PREFILL_AVX2)
+// AVX2 (Zen 3): the same tasks, 8 lanes wide and in fp32 whatever the storage. Keys are
+// packed in blocks of 8 ([D][8], dim-major, by 8 x 8 transposes) and values copied, both
+// widened from bf16 once per call; a task's bf16 query rows are widened once. Scores go
+// six rows by two key blocks at a time (12 accumulators, the two blocks' key vectors and
+// a broadcast: 15 of the 16 registers); values three rows by 32 dims. bf16 rounds the
+// probabilities and the outputs to bf16 where the AVX-512 path does, so the two differ
+// only in the order of fp32 sums.
+
+constexpr int64_t kKeys8 = 8;  // keys per packed block (one vector of fp32 scores)
+constexpr int kScoreRows = 6;
+constexpr int kValueRows = 3;
+
+// 8 values from p as fp32 (bf16 bits shifted into place).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// 8 outputs of a row: fp32 as they are, bf16 rounded to nearest even (as c10::BFloat16).
+inline void put8(float* o, __m256 x) { _mm256_storeu_ps(o, x); }
+inline void put8(uint16_t* o, __m256 x) {
+  const __m256i r = switchyard::bf16_round8(x);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm256_castsi256_si128(packed));
+}
+
+// x as it is stored in T, back in fp32 (bf16: rounded to nearest even).
+template <typename T>
+inline __m256 as_stored8(__m256 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(switchyard::bf16_round8(x), 16));
+  }
+}
+
+// In place: r[i] lane j <- r[j] lane i (unpack pairs, shuffle quads, swap 128-bit halves).
+inline void transpose8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // u[4 i + k], 128-bit half L: column 4 L + k, rows 4 i ..
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
+    r[4 + k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
+  }
+}
+
+// One KV head's keys (n rows of D at k, row stride ks) in fp32 blocks of 8 keys:
+// out[b][d][j] = k[8 b + j][d], the last block's rows past n written as zeros.
+template <typename T>
+void pack_keys8(const T* k, int64_t ks, int64_t n, int64_t D, float* out) {
+  for (int64_t b = 0; b * kKeys8 < n; ++b) {
+    const int64_t rows = std::min<int64_t>(kKeys8, n - b * kKeys8);
+    float* blk = out + b * kKeys8 * D;
+    for (int64_t c = 0; c < D; c += 8) {
+      __m256 r[8];
+      for (int64_t j = 0; j < 8; ++j)
+        r[j] = j < rows ? load8(k + (b * kKeys8 + j) * ks + c) : _mm256_setzero_ps();
+      transpose8(r);
+      for (int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(blk + (c + i) * kKeys8, r[i]);
+    }
+  }
+}
+
+// One KV head's values in fp32: out[t][d] = v[t][d].
+template <typename T>
+void pack_values8(const T* v, int64_t vs, int64_t n, int64_t D, float* out) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(out + t * D + c, load8(v + t * vs + c));
+}
+
+// Scores of ROWS query rows against NB neighbouring packed blocks of 8 keys, scaled, into
+// s[r * ld + 8 nb ..]: each query dim broadcast once for all NB blocks.
+template <int64_t D, int ROWS, int NB = 1>
+inline void score_rows8(const float* const* q, const float* kb, float scale, float* s,
+                        int64_t ld) {
+  __m256 acc[NB][ROWS];
+  for (int nb = 0; nb < NB; ++nb)
+    for (int r = 0; r < ROWS; ++r) acc[nb][r] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m256 kv[NB];
+    for (int nb = 0; nb < NB; ++nb) kv[nb] = _mm256_loadu_ps(kb + nb * kKeys8 * D + d * kKeys8);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 qv = _mm256_broadcast_ss(q[r] + d);
+      for (int nb = 0; nb < NB; ++nb) acc[nb][r] = _mm256_fmadd_ps(qv, kv[nb], acc[nb][r]);
+    }
+  }
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int nb = 0; nb < NB; ++nb)
+    for (int r = 0; r < ROWS; ++r)
+      _mm256_storeu_ps(s + r * ld + nb * kKeys8, _mm256_mul_ps(acc[nb][r], sc));
+}
+
+template <int64_t D>
+inline void score_block8(const float* const* q, int rows, const float* kb, float scale,
+                         float* s, int64_t ld) {
+  switch (rows) {
+    case 6: return score_rows8<D, 6>(q, kb, scale, s, ld);
+    case 5: return score_rows8<D, 5>(q, kb, scale, s, ld);
+    case 4: return score_rows8<D, 4>(q, kb, scale, s, ld);
+    case 3: return score_rows8<D, 3>(q, kb, scale, s, ld);
+    case 2: return score_rows8<D, 2>(q, kb, scale, s, ld);
+    default: return score_rows8<D, 1>(q, kb, scale, s, ld);
+  }
+}
+
+// Lanes 0 .. left - 1 of a vector (left < 8): for the ragged end of a row.
+inline __m256i head_mask8(int64_t left) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// max of s[0 .. n).
+inline float row_max8(const float* s, int64_t n) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
+  const __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  float best = _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
+  for (; j < n; ++j) best = std::max(best, s[j]);
+  return best;
+}
+
+// out[j] = exp(s[j] - m) as stored in T, j < n; returns the sum of the unrounded exps.
+template <typename T>
+inline float exp_sum8(const float* s, int64_t n, float m, float* out) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; j += 8) {
+    const __m256i k = head_mask8(n - j);  // all lanes but at the end
+    const __m256 e = switchyard::exp8(_mm256_sub_ps(_mm256_maskload_ps(s + j, k), mv));
+    const __m256 kept = _mm256_and_ps(e, _mm256_castsi256_ps(k));
+    sum = _mm256_add_ps(sum, kept);
+    _mm256_maskstore_ps(out + j, k, as_stored8<T>(kept));
+  }
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+// R rows of probabilities times the values of keys j0 .. j1, added to acc[r][0..D) (in L1
+// between calls), 32 dims at a time: 4 R register accumulators.
+template <int64_t D, int R>
+inline void weigh_values8(const float* const* p, const float* vp, int64_t j0, int64_t j1,
+                          float (*acc_io)[D]) {
+  for (int64_t c0 = 0; c0 < D; c0 += 32) {
+    __m256 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_loadu_ps(acc_io[r] + c0 + 8 * c);
+    for (int64_t j = j0; j < j1; ++j) {
+      const float* vj = vp + j * D + c0;
+      __m256 w[R];
+      for (int r = 0; r < R; ++r) w[r] = _mm256_broadcast_ss(p[r] + j);
+      for (int c = 0; c < 4; ++c) {
+        const __m256 v = _mm256_loadu_ps(vj + 8 * c);
+        for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(w[r], v, acc[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc_io[r] + c0 + 8 * c, acc[r][c]);
+  }
+}
+
+// q [nq, Hq, D]; k, v [nk, Hkv, D] with nk >= nq: query i sits at position nk - nq + i and
+// sees keys 0 .. nk - nq + i. T: float, or uint16_t holding bf16 bits.
+template <typename T, int64_t D>
+void run8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale,
+          const at::Tensor& out) {
+  constexpr int R = kValueRows;
+  const int64_t nq = q.size(0), nk = k.size(0), offset = nk - nq;
+  const int64_t Hq = q.size(1), Hkv = k.size(1), G = Hq / Hkv;
+  const auto* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const auto* kp = reinterpret_cast<const T*>(k.data_ptr());
+  const auto* vp = reinterpret_cast<const T*>(v.data_ptr());
+  auto* op = reinterpret_cast<T*>(out.data_ptr());
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t blocks = (nk + kKeys8 - 1) / kKeys8;
+  const int64_t key_head = blocks * kKeys8 * D, value_head = nk * D;
+  float* keys = scratch(packed_keys<float>, Hkv * key_head);
+  float* values = scratch(packed_values<float>, Hkv * value_head);
+  at::parallel_for(0, Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h) {
+      pack_keys8(kp + h * ks1, ks0, nk, D, keys + h * key_head);
+      pack_values8(vp + h * vs1, vs0, nk, D, values + h * value_head);
+    }
+  });
+  const int64_t qblocks = (nq + kQueries - 1) / kQueries;
+  const int64_t width = blocks * kKeys8;  // a score row, padded to whole key blocks
+  const int64_t pwidth = width + R;  // a probability row, and the pad beyond it
+  at::parallel_for(0, Hkv * qblocks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t max_rows = kQueries * G;
+    // What a row reads of these, it has written first (res is zeroed per task).
+    static thread_local std::vector<float> scores_buf, sums_buf, res_buf, probs_buf, wide_buf;
+    static thread_local std::vector<const float*> qrow_buf;
+    float* scores = scratch(scores_buf, max_rows * width);
+    float* sums = scratch(sums_buf, max_rows);
+    float* res = scratch(res_buf, (max_rows + R) * D);
+    float* probs = scratch(probs_buf, max_rows * pwidth);
+    float* wide = scratch(wide_buf, std::is_same_v<T, float> ? 0 : max_rows * D);
+    const float** qrow = scratch(qrow_buf, max_rows);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / qblocks, qb = task % qblocks;
+      const int64_t t0 = qb * kQueries, t1 = std::min(nq, t0 + kQueries);
+      const int64_t rows = (t1 - t0) * G;  // row r: token t0 + r / G, query head h G + r % G
+      const float* kh = keys + h * key_head;
+      const float* vh = values + h * value_head;
+      auto len = [&](int64_t r) { return offset + t0 + r / G + 1; };
+      for (int64_t r = 0; r < rows; ++r) {
+        const T* row = qp + (t0 + r / G) * qs0 + (h * G + r % G) * qs1;
+        if constexpr (std::is_same_v<T, float>) {
+          qrow[r] = row;
+        } else {
+          for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(wide + r * D + c, load8(row + c));
+          qrow[r] = wide + r * D;
+        }
+      }
+      // Two key blocks at a time, outer, so that they are read from L1/L2 once for all
+      // the task's rows (six at a time; a group whose rows end before a block skips it).
+      for (int64_t b = 0; b * kKeys8 < len(rows - 1); b += 2) {
+        for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
+          const int rr = static_cast<int>(std::min<int64_t>(kScoreRows, rows - r0));
+          const int64_t seen = len(r0 + rr - 1);
+          float* sb = scores + r0 * width + b * kKeys8;
+          const float* kb = kh + b * kKeys8 * D;
+          if (rr == kScoreRows && (b + 1) * kKeys8 < seen) {
+            score_rows8<D, kScoreRows, 2>(qrow + r0, kb, scale, sb, width);
+            continue;
+          }
+          for (int64_t nb = 0; nb < 2 && (b + nb) * kKeys8 < seen; ++nb)
+            score_block8<D>(qrow + r0, rr, kb + nb * kKeys8 * D, scale, sb + nb * kKeys8,
+                            width);
+        }
+      }
+      // Softmax of each row over its keys, in fp32; zeros past the row's end as far as
+      // the value pass reads (its group's longest row, up to R - 1 rows later).
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t n = len(r);
+        float* s = scores + r * width;
+        float* pr = probs + r * pwidth;
+        sums[r] = exp_sum8<T>(s, n, row_max8(s, n), pr);
+        std::fill(pr + n, pr + std::min(pwidth, n + R), 0.f);
+      }
+      // Values in chunks of kGroups keys, each read from L1/L2 once for all the rows (R at
+      // a time, their sums kept in `res` between chunks); a short last group of rows
+      // repeats its last row into the spare rows of `res`.
+      auto* acc = reinterpret_cast<float(*)[D]>(res);
+      std::fill(res, res + (max_rows + R) * D, 0.f);
+      for (int64_t j0 = 0; j0 < len(rows - 1); j0 += kGroups) {
+        for (int64_t r0 = 0; r0 < rows; r0 += R) {
+          const int64_t rr = std::min<int64_t>(R, rows - r0);
+          const int64_t j1 = std::min(j0 + kGroups, len(r0 + rr - 1));
+          if (j0 >= j1) continue;
+          const float* prow[R];
+          for (int r = 0; r < R; ++r)
+            prow[r] = probs + (r0 + std::min<int64_t>(r, rr - 1)) * pwidth;
+          weigh_values8<D, R>(prow, vh, j0, j1, acc + r0);
+        }
+      }
+      for (int64_t row = 0; row < rows; ++row) {
+        const __m256 inv = _mm256_set1_ps(1.f / sums[row]);
+        T* o = op + (t0 + row / G) * os0 + (h * G + row % G) * os1;
+        for (int64_t c = 0; c < D; c += 8)
+          put8(o + c, _mm256_mul_ps(_mm256_loadu_ps(acc[row] + c), inv));
+      }
+    }
+  });
+}
+#endif  // SWITCHYARD_PREFILL_AVX2
+
 }  // namespace
 
 // Whether this build runs `dtype` ("float32" or "bfloat16") at this head dim.
 bool supports(int64_t head_dim, const std::string& dtype) {
-#if defined(SWITCHYARD_PREFILL)
+#if defined(SWITCHYARD_PREFILL) || defined(SWITCHYARD_PREFILL_AVX2)
   const bool bf16 = dtype == "bfloat16";
-#if !defined(SWITCHYARD_PREFILL_BF16)
+#if defined(SWITCHYARD_PREFILL) && !defined(SWITCHYARD_PREFILL_BF16)
   if (bf16) return false;
 #endif
   return (head_dim == 64 || head_dim == 128) && (dtype == "float32" || bf16);
@@ -398,7 +688,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   TORCH_CHECK(q.size(0) > 0 && k.size(0) >= q.size(0), "prefill_attention: a key per query");
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads not a multiple of KV heads");
   TORCH_CHECK(supports(q.size(2), dtype == at::kFloat ? "float32" : "bfloat16"),
-              "prefill_attention: head dim 64 or 128 on a CPU with AVX-512 (and BF16)");
+              "prefill_attention: head dim 64 or 128 on a CPU with AVX2 or AVX-512 (bf16: "
+              "AVX-512 with BF16)");
 #if defined(SWITCHYARD_PREFILL)
   const float sc = static_cast<float>(scale);
   const bool wide = q.size(2) == 128;
@@ -408,6 +699,14 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 #if defined(SWITCHYARD_PREFILL_BF16)
     wide ? run<uint16_t, 128>(q, k, v, sc, out) : run<uint16_t, 64>(q, k, v, sc, out);
 #endif
+  }
+#elif defined(SWITCHYARD_PREFILL_AVX2)
+  const float sc = static_cast<float>(scale);
+  const bool wide = q.size(2) == 128;
+  if (dtype == at::kFloat) {
+    wide ? run8<float, 128>(q, k, v, sc, out) : run8<float, 64>(q, k, v, sc, out);
+  } else {
+    wide ? run8<uint16_t, 128>(q, k, v, sc, out) : run8<uint16_t, 64>(q, k, v, sc, out);
   }
 #endif
 }

@@ -43,6 +43,15 @@ inline __m256 bf16_odd8(__m256i pairs) {
   return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(-65536)));
 }
 
+// fp32 -> bf16 bits (in each 32-bit lane's low half) rounded to nearest even, as c10's
+// rounding of finite values (fused_ops' bf16_bits).
+inline __m256i bf16_round8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+}
+
 }  // namespace switchyard
 
 #endif  // __AVX2__ && __FMA__

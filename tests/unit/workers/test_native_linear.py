@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.cpu import runs_native_linear
+from tests.support.cpu import runs_native_kernels
 from workers import native
 from workers.model import LayerWeights, ModelWeights, can_pack, pack_weights, packed_linear
 
@@ -18,7 +18,7 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=[
 def kernel_for(dtype: torch.dtype):
     name = str(dtype).removeprefix("torch.")
     k = native.linear(name)
-    if not runs_native_linear(name):
+    if not runs_native_kernels(name):
         assert k is None
         pytest.skip(f"this CPU cannot run the {name} kernel: checked that it says so")
     assert k is not None, "the native kernel did not build (see the log)"

@@ -1,14 +1,14 @@
 """The native prompt-chunk attention kernel against a float64 reference and SDPA.
 
-On a CPU with AVX-512 (bf16: and AVX512-BF16) it must be built: the test fails, not skips,
-if it is not (the engine would silently run torch's slower kernel); elsewhere it must say
-it is absent."""
+On a CPU with AVX-512 (bf16: and AVX512-BF16), or with AVX2 and FMA (both dtypes), it must
+be built: the test fails, not skips, if it is not (the engine would silently run torch's
+slower kernel); elsewhere it must say it is absent."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.cpu import runs_native_prefill
+from tests.support.cpu import runs_native_kernels
 from workers import native
 
 DTYPES = pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -16,7 +16,7 @@ DTYPES = pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 
 def kernel_for(dtype: str, head_dim: int = 64):
     k = native.prefill_attention(dtype, head_dim)
-    if not runs_native_prefill(dtype):  # this machine runs both; another must say so
+    if not runs_native_kernels(dtype):  # this machine runs both; another must say so
         assert k is None
         pytest.skip(f"this CPU cannot run the {dtype} kernel: checked that it says so")
     assert k is not None, "the native kernel did not build (see the log)"
