@@ -44,6 +44,10 @@ class AttentionMetadata:
     # The native kernel (`workers.native.prefill_attention`) for prompt chunks: (q, keys,
     # values, scale, out), the chunk's queries last in time; None = SDPA.
     prefill_kernel: Callable[..., None] | None = None
+    # Whole prompts longer than this go to SDPA's causal kernel even where `prefill_kernel`
+    # runs (None: never); chunks after cached context stay on the kernel (SDPA needs a
+    # mask there, 2.3x slower).
+    sdpa_prompts_over: int | None = None
     # Decodes that read their rows of the decode workspace (in row order).
     num_workspace_decodes: int = 0
     workspace: DecodeWorkspace | None = None
@@ -126,7 +130,7 @@ def paged_attention(
         out[rows] = _decode_attention(q[rows], k_cache, v_cache, meta, block_size, scale, group)
     for seq in meta.prefills:
         rows = slice(seq.start, seq.start + seq.num_tokens)
-        if meta.prefill_kernel is not None:
+        if meta.prefill_kernel is not None and not _sdpa_prompt(seq, meta):
             keys, values = _chunk_keys(k[rows], v[rows], k_cache, v_cache, seq, block_size)
             view = out[rows].view(seq.num_tokens, num_heads, head_dim)
             meta.prefill_kernel(q[rows], keys, values, scale, view)
@@ -135,6 +139,12 @@ def paged_attention(
             q[rows], k[rows], v[rows], k_cache, v_cache, seq, block_size, scale, group
         )
     return out
+
+
+def _sdpa_prompt(seq: PrefillSeq, meta: AttentionMetadata) -> bool:
+    """Whether this chunk is a whole prompt long enough to go to SDPA's causal kernel."""
+    over = meta.sdpa_prompts_over
+    return over is not None and seq.num_context == 0 and seq.num_tokens > over
 
 
 def _decode_attention(

@@ -10,6 +10,7 @@ from tests.support.checkpoints import ARCHITECTURES, VOCAB, load_reference, refe
 from tests.support.cpu import runs_native_kernels
 from workers.config import EngineConfig, SchedulerConfig
 from workers.engine import LLMEngine
+from workers.runner import AVX2_SDPA_PROMPTS_OVER
 from workers.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -152,6 +153,10 @@ def test_native_prompt_attention_in_fp32_matches_transformers(case, head64):
         # (seed 8 has a near-tie at one position that SDPA and torch's ops flip too)
         prompts = make_prompts(5, seed=11, lo=3, hi=60)
     assert (engine.runner.prefill_kernel is not None) == runs_native_kernels("float32")
+    # These prompts are all shorter than the limit past which an AVX2 CPU sends whole
+    # prompts to SDPA instead.
+    avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2" and runs_native_kernels("float32")
+    assert engine.runner.sdpa_prompts_over == (AVX2_SDPA_PROMPTS_OVER if avx2 else None)
     if case == "prefix-hits":
         shared = make_prompts(1, seed=9, lo=40, hi=40)[0]
         prompts = [shared + tail for tail in make_prompts(4, seed=10, lo=5, hi=20)]

@@ -56,3 +56,41 @@ def test_a_run_of_neighbouring_blocks_is_read_as_a_view_with_the_gathers_result(
     k_cache, v_cache = cache_with(scattered)
     seq = PrefillSeq(0, n, context, torch.tensor(scattered))
     assert torch.allclose(_attend(q, k_new, v_new, k_cache, v_cache, seq), gathered, atol=1e-6)
+
+
+def test_whole_prompts_over_the_limit_go_to_sdpa_and_other_chunks_to_the_kernel() -> None:
+    """`sdpa_prompts_over` (an AVX2 CPU's runner sets it): a whole prompt longer than it
+    takes SDPA's causal kernel; a shorter one, and a chunk after cached context of any
+    length, take `prefill_kernel`. The kernel here records what it is given."""
+    torch.manual_seed(1)
+    taken: list[tuple[int, int]] = []
+
+    def kernel(q, keys, values, scale, out) -> None:
+        taken.append((q.shape[0], keys.shape[0]))
+        out.zero_()
+
+    short, long, context = 5, 9, 4
+    rows = short + long + long
+    q = torch.randn(rows, HEADS, DIM)
+    k, v = torch.randn(rows, KV_HEADS, DIM), torch.randn(rows, KV_HEADS, DIM)
+    k_cache = torch.randn(KV_HEADS, 16 * BLOCK, DIM)
+    v_cache = torch.randn(KV_HEADS, 16 * BLOCK, DIM)
+    after = PrefillSeq(short + long, long, context, torch.arange(4), first_block=0)
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        prefills=[PrefillSeq(0, short, 0, None), PrefillSeq(short, long, 0, None), after],
+        prefill_kernel=kernel,
+        sdpa_prompts_over=short,
+    )
+    out = paged_attention(q, k, v, 0, k_cache, v_cache, meta, BLOCK, DIM**-0.5)
+    assert taken == [(short, short), (long, context + long)]
+    assert torch.all(out[:short] == 0) and torch.all(out[short + long :] == 0)
+    # The long whole prompt went to SDPA: causal attention over its own keys.
+    n = slice(short, short + long)
+    keys, values = k[n].transpose(0, 1), v[n].transpose(0, 1)
+    assert torch.allclose(out[n].double(), _reference(q[n], keys, values, 0), atol=1e-5)
+
+    taken.clear()
+    meta.sdpa_prompts_over = None  # AVX-512: every chunk on the kernel
+    paged_attention(q, k, v, 0, k_cache, v_cache, meta, BLOCK, DIM**-0.5)
+    assert taken == [(short, short), (long, long), (long, context + long)]
