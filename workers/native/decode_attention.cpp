@@ -345,11 +345,7 @@ inline __m256 sum8(const __m256* a) {
                        _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-inline float hsum8(__m256 a) {
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-}
+using switchyard::hsum8;
 
 // The unscaled q.k of one key (V vectors), in 8 lanes to be summed.
 template <typename T, int V>

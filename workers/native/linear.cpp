@@ -395,11 +395,11 @@ inline void tile_rows(const float* x, int64_t xs, const T* wt, int64_t S, int64_
   };
   const int64_t lines = S * kCols * kStep<T> * static_cast<int64_t>(sizeof(T)) / 64;
   const int64_t blocks = (n + R - 1) / R, per_block = (lines + blocks - 1) / blocks;
-  const int64_t per_strip = (per_block + 3) / 4;
-  // strips: how many passes the block makes over the tile (1: `row_tile`).
-  const auto ahead = [&](int64_t m, int c, int strips = 4) {
+  // passes: how many times the block goes over the tile (four strips, or `row_tile`'s
+  // one, which issues one prefetch a step and so asks for at most S of its share).
+  const auto ahead = [&](int64_t m, int c, int passes = 4) {
     if (next == nullptr) return Prefetch{};
-    const int64_t share = strips == 4 ? per_strip : per_block;
+    const int64_t share = (per_block + passes - 1) / passes;
     const int64_t done = m / R * per_block + c * share;
     return Prefetch{reinterpret_cast<const char*>(next) + done * 64,
                     std::max<int64_t>(0, std::min(share, lines - done))};

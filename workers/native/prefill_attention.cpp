@@ -489,7 +489,7 @@ inline void score_block8(const float* const* q, int rows, const float* kb, float
   }
 }
 
-// Lanes 0 .. left - 1 of a vector (left < 8): for the ragged end of a row.
+// Lanes 0 .. left - 1 of a vector (all 8 from left = 8 up): a row's ragged end.
 inline __m256i head_mask8(int64_t left) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)),
                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -513,15 +513,13 @@ inline float exp_sum8(const float* s, int64_t n, float m, float* out) {
   const __m256 mv = _mm256_set1_ps(m);
   __m256 sum = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; j += 8) {
-    const __m256i k = head_mask8(n - j);  // all lanes but at the end
+    const __m256i k = head_mask8(n - j);  // all lanes but at the row's end
     const __m256 e = switchyard::exp8(_mm256_sub_ps(_mm256_maskload_ps(s + j, k), mv));
     const __m256 kept = _mm256_and_ps(e, _mm256_castsi256_ps(k));
     sum = _mm256_add_ps(sum, kept);
     _mm256_maskstore_ps(out + j, k, as_stored8<T>(kept));
   }
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+  return switchyard::hsum8(sum);
 }
 
 // R rows of probabilities times the values of keys j0 .. j1, added to acc[r][0..D) (in L1

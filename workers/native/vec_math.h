@@ -43,6 +43,13 @@ inline __m256 bf16_odd8(__m256i pairs) {
   return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(-65536)));
 }
 
+// The sum of a vector's 8 lanes.
+inline float hsum8(__m256 a) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
 // fp32 -> bf16 bits (in each 32-bit lane's low half) rounded to nearest even, as c10's
 // rounding of finite values (fused_ops' bf16_bits).
 inline __m256i bf16_round8(__m256 v) {
