@@ -126,7 +126,7 @@ def test_argmax_rows_matches_torch(ops, vocab):
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(33, vocab, generator=gen) * 5
     # Ties (the first wins), a NaN (torch answers its index), rows of -inf, a maximum in
-    # the last (unvectorised) columns, and -0.0 against 0.0.
+    # the last (unvectorised) columns, -0.0 against 0.0, and +inf.
     logits[1] = 2.0
     logits[2, vocab // 2] = float("nan")
     logits[3] = float("-inf")
@@ -135,6 +135,7 @@ def test_argmax_rows_matches_torch(ops, vocab):
     logits[5, 0] = -0.0
     logits[6, :] = -1.0
     logits[6, vocab - 1] = float("nan")
+    logits[7, vocab // 3] = float("inf")  # infinite, not NaN
     assert torch.equal(native_ops.argmax_rows(logits), torch_ops.argmax_rows(logits))
     # A view with a row stride (logits of every other row) reads the right rows.
     view = logits[::2]
