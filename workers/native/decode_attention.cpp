@@ -398,7 +398,8 @@ inline void values_one(const float* sg, const Run<T>* runs, int64_t num_runs, fl
     }
     sg += n;
   }
-  for (int j = 0; j < V; ++j) _mm256_storeu_ps(lanes + 8 * j, _mm256_mul_ps(acc[j], _mm256_set1_ps(w)));
+  const __m256 wv = _mm256_set1_ps(w);
+  for (int j = 0; j < V; ++j) _mm256_storeu_ps(lanes + 8 * j, _mm256_mul_ps(acc[j], wv));
 }
 
 // Query head g's D values in vector order (dim_of), as fp32.
@@ -438,7 +439,8 @@ void task_avx2(const T* q_heads, int64_t q_stride, int64_t G, const Run<T>* runs
 
 // Asks for n values from p into L2, a cache line at a time.
 inline void prefetch_rows(const at::BFloat16* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 32) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T1);
+  for (int64_t i = 0; i < n; i += 32)
+    _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T1);
 }
 
 // Vectors 2c and 2c + 1 of a bf16 row (dims 16c ..) as fp32, from p = row + 16c.
