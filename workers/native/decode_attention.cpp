@@ -30,6 +30,7 @@
 #include <immintrin.h>
 #endif
 
+#include "parallel.h"
 #include "vec_math.h"
 
 namespace {
@@ -630,9 +631,10 @@ void task_scalar(const T* q_heads, int64_t q_stride, int64_t G, int64_t D, const
     for (int64_t d = 0; d < D; ++d) store(out + g * o_stride + d, acc[g * D + d] * inv[g]);
 }
 
-// Runs every (sequence, KV head) task: `runs_of(task, runs)` fills the task's runs and
-// returns how many, with L = lengths[s] keys in all; `first_run(task)` is the task's first
-// run (for the prefetch of the next task's keys).
+// Runs every (sequence, KV head) task, 8 at a time to whichever thread asks
+// (`parallel_claims`): `runs_of(task, runs)` fills the task's runs and returns how many,
+// with L = lengths[s] keys in all. A thread knows its next task before it starts the
+// current one, for the prefetch of its keys.
 template <typename T, typename RunsOf>
 void attend(const at::Tensor& q, int64_t Hkv, const int64_t* lp, int64_t max_runs, float scale,
             const at::Tensor& out, RunsOf runs_of) {
@@ -642,16 +644,20 @@ void attend(const at::Tensor& q, int64_t Hkv, const int64_t* lp, int64_t max_run
   const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1);
   const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
   const int64_t max_len = *std::max_element(lp, lp + S);
-  at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
+  const int64_t tasks = S * Hkv;
+  switchyard::parallel_claims(tasks, 8, [&](switchyard::Claims& claims) {
+    int64_t task = claims.next();
+    if (task == tasks) return;
     std::vector<float> scores(G * max_len), qf(G * D), acc(G * D), inv(G);
     std::vector<uint16_t> probs(std::is_same_v<T, float> ? 0 : G * max_len);
     std::vector<Run<T>> runs(max_runs), next(max_runs);
-    int64_t num_runs = runs_of(begin, runs.data());
-    for (int64_t task = begin; task < end; ++task) {
+    int64_t num_runs = runs_of(task, runs.data());
+    for (int64_t after; task < tasks; task = after) {
+      after = claims.next();  // this thread's next task: its keys are prefetched
       const int64_t s = task / Hkv, h = task % Hkv, L = lp[s];
       const T* qh = qp + s * q_s0 + h * G * q_s1;
       T* oh = op + s * o_s0 + h * G * o_s1;
-      const int64_t next_runs = task + 1 < end ? runs_of(task + 1, next.data()) : 0;
+      const int64_t next_runs = after < tasks ? runs_of(after, next.data()) : 0;
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         if (D == 64 || D == 128) {

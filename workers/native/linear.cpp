@@ -12,12 +12,14 @@
 //   bf16: packed[t][k / 2][c][k % 2] = W[64 t + c][k] ([N / 64, K / 2, 64, 2])
 //
 // so that one 64-byte load holds an input dim (bf16: a pair, for VDPBF16PS) for 16
-// columns. A thread takes whole tiles; for each, rows of x go six (or four) at a time
+// columns. Threads take whole tiles, one at a time as they ask (`parallel_claims`, so a
+// thread the OS descheduled does not hold the layer up by half the tiles); for each, rows
+// of x go six (or four) at a time
 // through a block of fp32 accumulators, 4 vectors of 16 columns a row: per input dim (bf16:
 // pair) 4 loads of weights, a broadcast of x per row and an FMA (VDPBF16PS) per
 // accumulator, with no horizontal sums. Fewer rows keep several partial sums per output
 // in flight (the instruction's latency), added at the end. x is taken in blocks of rows
-// that stay in L2 while they meet each of the thread's tiles.
+// that stay in L2 while they meet the tiles, every tile of a block before the next.
 //
 // Measured on this machine's 2 cores (Zen 4; the bench model's shapes, weights of 8
 // layers cycled so they come from memory as in a decode step), ours vs oneDNN's packed:
@@ -50,6 +52,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "parallel.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -471,23 +475,31 @@ template <typename T>
 void run(const T* xp, int64_t xs, int64_t M, int64_t K, const T* wp, int64_t T_, const float* bf,
          T* op) {
   const int64_t N = T_ * kCols, S = K / kStep<T>, block = row_block<T>(K);
-  at::parallel_for(0, T_, 1, [&](int64_t t0, int64_t t1) {
+  const int64_t items = (M + block - 1) / block * T_;  // (row block, tile), by row block
+  switchyard::parallel_claims(items, 1, [&](switchyard::Claims& claims) {
     RowBlock<T> rows;
-    for (int64_t m0 = 0; m0 < M; m0 += block) {
-      const int64_t n = std::min(M, m0 + block) - m0;
-      const auto [x, stride] = rows.of(xp + m0 * xs, xs, n, K);
-      for (int64_t t = t0; t < t1; ++t) {
-        const float* b = bf ? bf + t * kCols : nullptr;
-        T* o = op + m0 * N + t * kCols;
-        const T* next = t + 1 < t1 ? wp + (t + 1) * K * kCols : nullptr;
-        tile_rows<T>(
-            x, stride, wp + t * K * kCols, S, n,
-            [&](int64_t m, int c, Lanes y) {
-              if (b) y = lanes_add(y, lanes_load(b + c * 16));
-              store16(o + m * N + c * 16, y);
-            },
-            next);
+    int64_t held = -1;  // the row block `x` holds
+    const Input<T>* x = nullptr;
+    int64_t stride = 0;
+    for (int64_t item = claims.next(), after; item < items; item = after) {
+      after = claims.next();  // this thread's next tile: prefetched while this one runs
+      const int64_t t = item % T_, m0 = item / T_ * block, n = std::min(M, m0 + block) - m0;
+      if (item / T_ != held) {
+        const auto got = rows.of(xp + m0 * xs, xs, n, K);
+        x = got.first;
+        stride = got.second;
+        held = item / T_;
       }
+      const float* b = bf ? bf + t * kCols : nullptr;
+      T* o = op + m0 * N + t * kCols;
+      const T* next = after < items ? wp + after % T_ * K * kCols : nullptr;
+      tile_rows<T>(
+          x, stride, wp + t * K * kCols, S, n,
+          [&](int64_t m, int c, Lanes y) {
+            if (b) y = lanes_add(y, lanes_load(b + c * 16));
+            store16(o + m * N + c * 16, y);
+          },
+          next);
     }
   });
 }
@@ -515,31 +527,39 @@ __attribute__((noinline)) void silu_mul_rows(const float* g, const float* u, int
 template <typename T>
 void run_gated(const T* xp, int64_t xs, int64_t M, int64_t K, const T* wp, int64_t P_, T* op) {
   const int64_t N = P_ * kCols, S = K / kStep<T>, block = row_block<T>(K);
-  at::parallel_for(0, P_, 1, [&](int64_t p0, int64_t p1) {
+  const int64_t items = (M + block - 1) / block * P_;  // (row block, pair), by row block
+  switchyard::parallel_claims(items, 1, [&](switchyard::Claims& claims) {
     std::vector<float> gates(std::min(M, block) * kCols), ups(gates.size());
     RowBlock<T> rows;
-    for (int64_t m0 = 0; m0 < M; m0 += block) {
-      const int64_t n = std::min(M, m0 + block) - m0;
-      const auto [x, xs_in] = rows.of(xp + m0 * xs, xs, n, K);
-      for (int64_t p = p0; p < p1; ++p) {
-        const T* wg = wp + 2 * p * K * kCols;
-        float* g = gates.data();
-        const T* wu = wg + K * kCols;  // its up tile, prefetched while the gate runs
-        tile_rows<T>(
-            x, xs_in, wg, S, n,
-            [g](int64_t m, int c, Lanes y) {
-              lanes_store(g + m * kCols + c * 16, as_stored<T>(y));
-            },
-            wu);
-        float* u = ups.data();
-        tile_rows<T>(
-            x, xs_in, wu, S, n,
-            [u](int64_t m, int c, Lanes y) {
-              lanes_store(u + m * kCols + c * 16, as_stored<T>(y));
-            },
-            p + 1 < p1 ? wu + K * kCols : nullptr);
-        silu_mul_rows(g, u, n, op + m0 * N + p * kCols, N);
+    int64_t held = -1;  // the row block `x` holds
+    const Input<T>* x = nullptr;
+    int64_t xs_in = 0;
+    for (int64_t item = claims.next(), after; item < items; item = after) {
+      after = claims.next();  // this thread's next pair: its gate prefetched under the up
+      const int64_t p = item % P_, m0 = item / P_ * block, n = std::min(M, m0 + block) - m0;
+      if (item / P_ != held) {
+        const auto got = rows.of(xp + m0 * xs, xs, n, K);
+        x = got.first;
+        xs_in = got.second;
+        held = item / P_;
       }
+      const T* wg = wp + 2 * p * K * kCols;
+      float* g = gates.data();
+      const T* wu = wg + K * kCols;  // its up tile, prefetched while the gate runs
+      tile_rows<T>(
+          x, xs_in, wg, S, n,
+          [g](int64_t m, int c, Lanes y) {
+            lanes_store(g + m * kCols + c * 16, as_stored<T>(y));
+          },
+          wu);
+      float* u = ups.data();
+      tile_rows<T>(
+          x, xs_in, wu, S, n,
+          [u](int64_t m, int c, Lanes y) {
+            lanes_store(u + m * kCols + c * 16, as_stored<T>(y));
+          },
+          after < items ? wp + 2 * (after % P_) * K * kCols : nullptr);
+      silu_mul_rows(g, u, n, op + m0 * N + p * kCols, N);
     }
   });
 }
