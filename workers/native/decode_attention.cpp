@@ -453,8 +453,9 @@ inline void widen2(const at::BFloat16* p, __m256& even, __m256& odd) {
 
 // Scores of two query heads (qa, qb: V vectors each, vector order) against a run's n bf16
 // keys, 4 keys x 2 heads per sum8: each key is widened once for both heads, and each dot
-// product summed in dot_lanes' order (so the same bits as `scores_one`, but for the last
-// n % 4 keys, which take hsum8 as there). Asks for the run's values (vr) as it goes.
+// product summed in dot_lanes' order. The same bits as `scores_one` but where a run's
+// last n % 8 keys hold a block of 4: their lanes are summed by sum8 here, by hsum8 there
+// (in another order). Asks for the run's values (vr) as it goes.
 template <int V>
 inline void scores_pair(const float* qa, const float* qb, const at::BFloat16* kr,
                         const at::BFloat16* vr, int64_t n, float scale, float* sa, float* sb) {
@@ -551,8 +552,8 @@ inline void values_pair(const float* sa, const float* sb, const Run<at::BFloat16
 // bf16 with two or more query heads per KV head: `task_avx2` with the heads taken two at
 // a time, so a key or value is widened once for a pair, and with software prefetch (the
 // run's values while the first pair scores, the next task's keys while it weighs). A
-// head left over (G odd) goes alone. The same bits as `task_avx2` but for a run's last
-// n % 4 keys (see `scores_pair`). Zen 3, 8 layers at batch 64, ~256 tokens, alternating
+// head left over (G odd) goes alone. The same bits as `task_avx2` but for the scores of
+// a block of 4 among a run's last n % 8 keys (see `scores_pair`). Zen 3, 8 layers at batch 64, ~256 tokens, alternating
 // in one process: 12.0-12.9 -> 9.8-10.9 ms with 2 heads a KV head, 18.4-20.1 -> 15.8-16.8
 // with 5. fp32 (bound by the KV's bytes) and a single head were 5-15% slower this way.
 template <int V>

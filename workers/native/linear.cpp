@@ -50,7 +50,6 @@
 #include <cstring>
 #include <memory>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #include "parallel.h"
@@ -433,18 +432,25 @@ using Input = float;
 #endif  // SWITCHYARD_LINEAR_AVX2
 
 #if defined(SWITCHYARD_LINEAR_F32)
-// A block of x's rows in the form the kernel reads (`Input<T>`): the rows themselves, or
-// on AVX2 in bf16 their fp32 values, widened into this thread's buffer.
-// The buffer is not zeroed first (a vector's resize was 1% of a bf16 decode step at batch
-// 64 in memset).
+// The block of x's rows a thread is on, in the form the kernel reads (`Input<T>`): the
+// rows themselves, or on AVX2 in bf16 their fp32 values, widened into this thread's
+// buffer (not zeroed first: a vector's resize was 1% of a bf16 decode step at batch 64
+// in memset).
 template <typename T>
 struct RowBlock {
+  const Input<T>* x = nullptr;
+  int64_t stride = 0;
+  int64_t held = -1;  // which block x is
   std::unique_ptr<float[]> wide;
   int64_t capacity = 0;
 
-  std::pair<const Input<T>*, int64_t> of(const T* x, int64_t xs, int64_t n, int64_t K) {
+  // Block b: the n rows at `rows` (xs apart), K wide; widened only if not already held.
+  void hold(int64_t b, const T* rows, int64_t xs, int64_t n, int64_t K) {
+    if (b == held) return;
+    held = b;
     if constexpr (std::is_same_v<Input<T>, T>) {
-      return {x, xs};
+      x = rows;
+      stride = xs;
     } else {
       if (capacity < n * K) {
         wide.reset(new float[n * K]);
@@ -452,16 +458,17 @@ struct RowBlock {
       }
       for (int64_t m = 0; m < n; ++m)
         for (int64_t k = 0; k < K; ++k) {
-          const uint32_t bits = static_cast<uint32_t>(x[m * xs + k]) << 16;
+          const uint32_t bits = static_cast<uint32_t>(rows[m * xs + k]) << 16;
           std::memcpy(&wide[m * K + k], &bits, sizeof bits);
         }
-      return {wide.get(), K};
+      x = wide.get();
+      stride = K;
     }
   }
 };
 
-// Rows of x in blocks of about 128 KiB, kept in L2 while they meet each of the thread's
-// tiles (a prompt's x is megabytes), but never fewer than 96: every block streams all the
+// Rows of x in blocks of about 128 KiB, kept in L2 while they meet the tiles (a prompt's
+// x is megabytes), but never fewer than 96: every block streams all the
 // weights again, from memory once they outgrow L3, so a decode step of up to 96 rows is
 // one block (Zen 3, fp32, K 2048, [6144, 2048] weights: batch 16 13.5 -> 6.7 ms, batch 64
 // 33.3 -> 16.4; the 128 KiB rule gave blocks of 12 rows there).
@@ -478,23 +485,15 @@ void run(const T* xp, int64_t xs, int64_t M, int64_t K, const T* wp, int64_t T_,
   const int64_t items = (M + block - 1) / block * T_;  // (row block, tile), by row block
   switchyard::parallel_claims(items, 1, [&](switchyard::Claims& claims) {
     RowBlock<T> rows;
-    int64_t held = -1;  // the row block `x` holds
-    const Input<T>* x = nullptr;
-    int64_t stride = 0;
     for (int64_t item = claims.next(), after; item < items; item = after) {
       after = claims.next();  // this thread's next tile: prefetched while this one runs
       const int64_t t = item % T_, m0 = item / T_ * block, n = std::min(M, m0 + block) - m0;
-      if (item / T_ != held) {
-        const auto got = rows.of(xp + m0 * xs, xs, n, K);
-        x = got.first;
-        stride = got.second;
-        held = item / T_;
-      }
+      rows.hold(item / T_, xp + m0 * xs, xs, n, K);
       const float* b = bf ? bf + t * kCols : nullptr;
       T* o = op + m0 * N + t * kCols;
       const T* next = after < items ? wp + after % T_ * K * kCols : nullptr;
       tile_rows<T>(
-          x, stride, wp + t * K * kCols, S, n,
+          rows.x, rows.stride, wp + t * K * kCols, S, n,
           [&](int64_t m, int c, Lanes y) {
             if (b) y = lanes_add(y, lanes_load(b + c * 16));
             store16(o + m * N + c * 16, y);
@@ -531,30 +530,22 @@ void run_gated(const T* xp, int64_t xs, int64_t M, int64_t K, const T* wp, int64
   switchyard::parallel_claims(items, 1, [&](switchyard::Claims& claims) {
     std::vector<float> gates(std::min(M, block) * kCols), ups(gates.size());
     RowBlock<T> rows;
-    int64_t held = -1;  // the row block `x` holds
-    const Input<T>* x = nullptr;
-    int64_t xs_in = 0;
     for (int64_t item = claims.next(), after; item < items; item = after) {
       after = claims.next();  // this thread's next pair: its gate prefetched under the up
       const int64_t p = item % P_, m0 = item / P_ * block, n = std::min(M, m0 + block) - m0;
-      if (item / P_ != held) {
-        const auto got = rows.of(xp + m0 * xs, xs, n, K);
-        x = got.first;
-        xs_in = got.second;
-        held = item / P_;
-      }
+      rows.hold(item / P_, xp + m0 * xs, xs, n, K);
       const T* wg = wp + 2 * p * K * kCols;
       float* g = gates.data();
       const T* wu = wg + K * kCols;  // its up tile, prefetched while the gate runs
       tile_rows<T>(
-          x, xs_in, wg, S, n,
+          rows.x, rows.stride, wg, S, n,
           [g](int64_t m, int c, Lanes y) {
             lanes_store(g + m * kCols + c * 16, as_stored<T>(y));
           },
           wu);
       float* u = ups.data();
       tile_rows<T>(
-          x, xs_in, wu, S, n,
+          rows.x, rows.stride, wu, S, n,
           [u](int64_t m, int c, Lanes y) {
             lanes_store(u + m * kCols + c * 16, as_stored<T>(y));
           },
