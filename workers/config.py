@@ -24,6 +24,9 @@ class SchedulerConfig:
     aging_steps: int = 64  # a waiting request gains one priority level per this many steps
 
 
+DECODE_GRAPH_MODES = ("auto", "off", "eager")
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs besides the checkpoint directory."""
@@ -54,10 +57,21 @@ class EngineConfig:
     # Faster matmuls, same memory but for a packed copy of a tied
     # LM head. False = dense weights through F.linear.
     packed_weights: bool = True
+    # On a GPU, a step whose requests are all workspace decodes replays a CUDA graph of its
+    # (batch, context) bucket (`workers.decode_graphs`), captured on first use and checked
+    # against the eager step. "auto": on CUDA; "off": never; "eager": the same buckets,
+    # padding and buffers run without recording, on any device (to tell a capture
+    # problem from a bucketing one).
+    decode_graphs: str = "auto"
     threads: int | None = None  # torch intra-op threads; None = CPUs we may run on, at most 8
     scheduler: SchedulerConfig | None = None
     seed: int = 0  # for unseeded sampling
 
     def __post_init__(self) -> None:
+        if self.decode_graphs not in DECODE_GRAPH_MODES:
+            raise ValueError(
+                f"decode_graphs must be one of {', '.join(DECODE_GRAPH_MODES)}, "
+                f"not {self.decode_graphs!r}"
+            )
         if self.scheduler is None:
             self.scheduler = SchedulerConfig()

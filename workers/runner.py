@@ -12,6 +12,7 @@ import torch
 from workers import native
 from workers.attention import AttentionMetadata, PrefillSeq
 from workers.config import EngineConfig
+from workers.decode_graphs import DecodeGraphs
 from workers.decode_workspace import DecodeWorkspace
 from workers.loader import load_weights, parse_dtype
 from workers.memory import HugeArena, zeros
@@ -162,7 +163,11 @@ class ModelRunner:
         if shard is not None:  # every rank holds the same blocks (of its own KV heads)
             self.num_kv_blocks = shard.agree_min(self.num_kv_blocks)
         num_slots = self.num_kv_blocks * self.block_size
-        shape = (cfg.num_kv_heads, num_slots, cfg.head_dim)
+        graphs = _graph_mode(config, self.device, shard is None)
+        # Decode graphs pad a step to its bucket; the padding rows write their K/V to a
+        # block past the pool, which no request is ever given.
+        sink = self.block_size if graphs != "off" else 0
+        shape = (cfg.num_kv_heads, num_slots + sink, cfg.head_dim)
         self.kv_caches = [
             (zeros(shape, self.dtype, self.device), zeros(shape, self.dtype, self.device))
             for _ in range(cfg.num_layers)
@@ -186,6 +191,17 @@ class ModelRunner:
                 row_tokens,
                 self.dtype,
                 self.device,
+            )
+        self.graphs = None
+        if graphs != "off" and self.workspace is not None:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                self.block_size,
+                self.workspace,
+                num_slots,
+                self.device,
+                capture=graphs == "auto",
             )
         # Prompt chunks attend through our kernel where it runs (head dim 64/128, AVX-512 or
         # AVX2). On AVX2 it runs 8 lanes wide, and torch's causal SDPA kernel overtakes it on
@@ -224,6 +240,13 @@ class ModelRunner:
             self.block_size,
             num_slots * per_token / 2**30,
         )
+        if self.graphs is not None:
+            log.info(
+                "decode graphs: %s, batch buckets %s, context buckets %s",
+                "CUDA graphs, each captured on first use" if graphs == "auto" else "eager",
+                self.graphs.batches,
+                self.graphs.contexts,
+            )
         if self.workspace is not None:
             log.info(
                 "decode workspace: %d rows x %d tokens (%.2f GiB), attention in %s",
@@ -240,16 +263,18 @@ class ModelRunner:
         """Compute the scheduled tokens; sample for requests whose last token was computed."""
         batch, num_ws = self._order(scheduled, block_tables)
         input_ids, positions, slots, logit_rows, samplers = self._flatten(batch, block_tables)
-        meta = self._metadata(batch, num_ws, block_tables, slots)
         dev = self.device
-        logits = self.model.forward(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            meta,
-            self.kv_caches,
-            self.block_size,
-            torch.tensor(logit_rows, dtype=torch.long, device=dev),
-        )
+        if self.graphs is not None and self.graphs.covers(num_ws, len(batch)):
+            logits = self.graphs.run(input_ids, positions, slots)
+        else:
+            logits = self.model.forward(
+                torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev),
+                self._metadata(batch, num_ws, block_tables, slots),
+                self.kv_caches,
+                self.block_size,
+                torch.tensor(logit_rows, dtype=torch.long, device=dev),
+            )
         if num_ws:
             self.workspace.commit([req.request_id for req, _ in batch[:num_ws]])
         if not samplers or (self.shard is not None and self.shard.rank != 0):
@@ -365,6 +390,17 @@ class ModelRunner:
             meta.prefills.append(PrefillSeq(row, n, ctx, block_ids, first))
             row += n
         return meta
+
+
+def _graph_mode(config: EngineConfig, device: torch.device, whole_model: bool) -> str:
+    """ "auto" (capture CUDA graphs), "eager" (the same buckets, run eagerly) or "off":
+    graphs need the whole model here (a shard group's collectives are not captured)."""
+    mode = config.decode_graphs
+    if not whole_model or config.decode_workspace_tokens <= 0:
+        return "off"
+    if mode == "auto" and device.type != "cuda":
+        return "off"
+    return mode
 
 
 def _packing(packed: bool, native: bool) -> str:
