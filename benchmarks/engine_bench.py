@@ -236,7 +236,35 @@ def _throughput_section(
             f"{sy['over_serial']:.2f}x that bound, which is itself "
             f"{sy['serial_s'] / sy['roofline_s']:.2f}x the roofline."
         )
+    if sy.get("by_kind"):
+        lines += ["\nWhere the workload's time goes, by kind of step (the runner's time):\n"]
+        lines.append(_by_kind_table(sy["by_kind"]))
+        lines.append(
+            f"\nOutside the runner (scheduling, outputs): {sy['outside_runner_s']:.2f} s of "
+            f"{sy['elapsed_s']:.2f}."
+        )
     return lines
+
+
+def _by_kind_table(rows: list[dict]) -> str:
+    rows = [
+        {
+            **r,
+            "over_serial": r["measured_s"] / r["serial_s"],
+            "over_roofline": r["measured_s"] / r["roofline_s"],
+        }
+        for r in rows
+    ]
+    cols = [
+        ("kind", "steps"),
+        ("steps", "count"),
+        ("measured_s", "measured s"),
+        ("serial_s", "no-overlap bound s"),
+        ("roofline_s", "roofline s"),
+        ("over_serial", "measured / no-overlap"),
+        ("over_roofline", "measured / roofline"),
+    ]
+    return markdown_table(rows, cols)
 
 
 def _decode_section(dec: dict, dtype: str) -> list[str]:

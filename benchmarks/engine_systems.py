@@ -88,26 +88,62 @@ def timing_summary(t0: float, times: dict[str, list[float]], elapsed: float) -> 
 
 
 class CostMeter:
-    """Records the bytes and FLOPs of every step the engine's runner executes."""
+    """Records the bytes and FLOPs of every step the engine's runner executes, what kind
+    of step it was (`step_kind`) and how long the runner took over it."""
 
     def __init__(self, engine) -> None:
         self.shape = ModelShape.of(engine.runner.model_config)
         self.itemsize = engine.runner.dtype.itemsize
         self.steps: list[StepCost] = []
+        self.kinds: list[str] = []
+        self.seconds: list[float] = []
         runner = engine.runner
         execute = runner.execute
 
         def metered(scheduled, block_tables):
             self.steps.append(self.cost(scheduled))
-            return execute(scheduled, block_tables)
+            self.kinds.append(step_kind(scheduled))
+            t0 = time.perf_counter()
+            out = execute(scheduled, block_tables)
+            self.seconds.append(time.perf_counter() - t0)
+            return out
 
         runner.execute = metered
+
+    def by_kind(self, machine: Machine) -> list[dict[str, Any]]:
+        """Per kind of step (in `STEP_KINDS` order): steps, the runner's seconds, and the
+        no-overlap bound and roofline of those steps."""
+        rows = {k: {"kind": k, "steps": 0, "measured_s": 0.0, "serial_s": 0.0, "roofline_s": 0.0}
+                for k in STEP_KINDS}  # fmt: skip
+        for kind, cost, secs in zip(self.kinds, self.steps, self.seconds, strict=True):
+            row = rows[kind]
+            row["steps"] += 1
+            row["measured_s"] += secs
+            row["serial_s"] += serial_s(cost, machine)
+            row["roofline_s"] += roofline_s(cost, machine)
+        return [row for row in rows.values() if row["steps"]]
 
     def cost(self, scheduled) -> StepCost:
         decodes = [r.num_computed_tokens for r, n in scheduled if n == 1]
         prefills = [(r.num_computed_tokens, n) for r, n in scheduled if n > 1]
         sampled = sum(1 for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens)
         return step_cost(self.shape, self.itemsize, decodes, prefills, sampled)
+
+
+STEP_KINDS = (
+    "with a prompt chunk",
+    "decodes, batch >= 48",
+    "decodes, batch 16-47",
+    "decodes, batch < 16",
+)
+
+
+def step_kind(scheduled) -> str:
+    """A step with any prompt chunk, else its decodes' batch size band (`STEP_KINDS`)."""
+    if any(n > 1 for _, n in scheduled):
+        return STEP_KINDS[0]
+    batch = len(scheduled)
+    return STEP_KINDS[1] if batch >= 48 else STEP_KINDS[2] if batch >= 16 else STEP_KINDS[3]
 
 
 def measure_machine(dtype: str, earlier: Reading | None = None) -> Reading:
@@ -150,6 +186,8 @@ def run_switchyard(spec: dict) -> dict:
         over_serial=out["elapsed_s"] / serial,
         bytes_moved=sum(c.bytes for c in meter.steps),
         flops=sum(c.flops for c in meter.steps),
+        by_kind=meter.by_kind(machine),
+        outside_runner_s=out["elapsed_s"] - sum(meter.seconds),
     )
     return out
 

@@ -78,7 +78,6 @@ class _Graph:
 
     replay: Callable[[], None]
     logits: torch.Tensor  # [batch bucket, vocab]: the graph's output buffer
-    checked: bool = False
 
 
 class DecodeGraphs:
@@ -182,7 +181,6 @@ class DecodeGraphs:
             )
             self.enabled = False
             return eager
-        graph.checked = True
         self.graphs[(batch, context)] = graph
         self.replays += 1
         self.padded_rows += pad

@@ -36,3 +36,25 @@ def test_each_configuration_generates_the_fast_paths_tokens(llama_dir):
         assert [r.token_ids for r in engine.generate(prompts, params)] == want, config
     parts.apply(engine, "fast path")
     assert engine.runner.decode_kernel is parts.kernel
+
+
+def test_the_workload_breakdown_covers_every_step_by_kind(llama_dir):
+    """The throughput section's table of step kinds: each step counted once, under its
+    kind, with the runner's time and the bounds of those steps."""
+    from benchmarks.engine_bench import _by_kind_table
+    from benchmarks.engine_systems import STEP_KINDS, CostMeter
+    from benchmarks.roofline import Machine
+
+    engine = _engine(str(llama_dir), num_blocks=256, budget=64, max_seqs=20)
+    meter = CostMeter(engine)
+    # 20 prompts of 12-60 tokens through a 64-token budget: prompt-chunk steps, then
+    # decodes at 20 rows (16-47) that fall below 16 as the shorter outputs end.
+    prompts = make_prompts(20, seed=6, lo=12, hi=60)
+    engine.generate(prompts, [greedy_params(20 + 2 * i) for i in range(20)])
+    rows = meter.by_kind(Machine(gemm_flops=1e11, bandwidth=2e10))
+    assert [r["kind"] for r in rows] == [STEP_KINDS[0], STEP_KINDS[2], STEP_KINDS[3]]
+    assert sum(r["steps"] for r in rows) == len(meter.steps) == len(meter.seconds)
+    assert abs(sum(r["measured_s"] for r in rows) - sum(meter.seconds)) < 1e-9
+    assert all(r["measured_s"] > 0 and r["roofline_s"] <= r["serial_s"] for r in rows)
+    table = _by_kind_table(rows)
+    assert "measured / no-overlap" in table and STEP_KINDS[2] in table
