@@ -41,6 +41,17 @@ def reference(llama_dir: Path):
     return load_reference(llama_dir)
 
 
+def greedy_matches_transformers(engine, reference, caplog, num_prompts: int, seed: int) -> None:
+    """Generate greedily (errors of the decode graphs captured in `caplog`) and check the
+    tokens against transformers'."""
+    ps = prompts(num_prompts, seed)
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    with caplog.at_level(logging.ERROR, logger="workers.decode_graphs"):
+        results = engine.generate(ps, greedy)
+    for p, r in zip(ps, results, strict=True):
+        assert r.token_ids == reference_greedy(reference, p, 10)
+
+
 def test_buckets():
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
@@ -131,12 +142,7 @@ def test_a_graph_that_disagrees_turns_graphs_off(llama_dir, reference, caplog):
         return eager, _Graph(replay, out)
 
     graphs._record = wrong_record
-    ps = prompts(3, seed=13)
-    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    with caplog.at_level(logging.ERROR, logger="workers.decode_graphs"):
-        results = engine.generate(ps, greedy)
-    for p, r in zip(ps, results, strict=True):
-        assert r.token_ids == reference_greedy(reference, p, 10)
+    greedy_matches_transformers(engine, reference, caplog, num_prompts=3, seed=13)
     assert not graphs.enabled and not graphs.graphs and graphs.replays == 0
     assert "decode graphs off" in caplog.text and "first replay" in caplog.text
 
@@ -149,12 +155,7 @@ def test_a_capture_that_fails_turns_graphs_off(llama_dir, reference, caplog):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     graphs._record = failing_record
-    ps = prompts(2, seed=14)
-    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    with caplog.at_level(logging.ERROR, logger="workers.decode_graphs"):
-        results = engine.generate(ps, greedy)
-    for p, r in zip(ps, results, strict=True):
-        assert r.token_ids == reference_greedy(reference, p, 8)
+    greedy_matches_transformers(engine, reference, caplog, num_prompts=2, seed=14)
     assert not graphs.enabled
     assert "capturing batch 2, context 64 failed" in caplog.text
 
