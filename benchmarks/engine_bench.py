@@ -46,6 +46,18 @@ class BenchOptions:
     dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
 
 
+def _dtype_summary(opts: BenchOptions) -> str:
+    """Which scenarios ran in which dtype, naming only those that ran."""
+    per_dtype = [s for s in ("throughput", "decode", "levers") if s in opts.scenarios]
+    in_fp32 = [s for s in ("prefix", "chunked", "structured") if s in opts.scenarios]
+    said = []
+    if per_dtype:
+        said.append(f"{', '.join(per_dtype)} in {', '.join(opts.dtypes)}")
+    if in_fp32:
+        said.append(f"{', '.join(in_fp32)} in float32")
+    return "; ".join(said) or "no scenarios"
+
+
 def make_bench_checkpoint(path: Path) -> Path:
     """The bench model: Llama, hidden 512, 8 layers, 8/4 heads, vocab 8192, fp32 (~32M)."""
     if (path / "model.safetensors").is_file():
@@ -364,10 +376,7 @@ def summarize(results: dict[str, dict], opts: BenchOptions) -> dict:
     }
     ok = {k: v for k, v in results.items() if "error" not in v}
     parts = ["**Quick smoke run: these figures are not the benchmark.**\n"] if opts.quick else []
-    parts.append(
-        f"Model: {data['options']['model']}; throughput and roofline in "
-        f"{', '.join(opts.dtypes)}, prefix and chunked in float32.\n"
-    )
+    parts.append(f"Model: {data['options']['model']}; {_dtype_summary(opts)}.\n")
     for dtype in opts.dtypes:
         if f"switchyard/{dtype}" in results:
             parts += _throughput_section(results, opts, data, dtype)

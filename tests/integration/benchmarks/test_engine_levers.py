@@ -58,3 +58,18 @@ def test_the_workload_breakdown_covers_every_step_by_kind(llama_dir):
     assert all(r["measured_s"] > 0 and r["roofline_s"] <= r["serial_s"] for r in rows)
     table = _by_kind_table(rows)
     assert "measured / no-overlap" in table and STEP_KINDS[2] in table
+
+
+def test_the_report_header_names_only_the_scenarios_that_ran(tmp_path):
+    from benchmarks.engine_bench import BenchOptions, _dtype_summary
+
+    def summary(scenarios, dtypes=("float32", "bfloat16")):
+        return _dtype_summary(
+            BenchOptions(out_dir=tmp_path, scenarios=list(scenarios), dtypes=list(dtypes))
+        )
+
+    assert summary(["prefix", "chunked"]) == "prefix, chunked in float32"
+    assert summary(["throughput", "decode"], ["bfloat16"]) == "throughput, decode in bfloat16"
+    assert summary(["throughput", "chunked"]) == (
+        "throughput in float32, bfloat16; chunked in float32"
+    )
