@@ -8,7 +8,7 @@ minutes apart differ by more than the levers do. Configurations:
 
 - `fast path`: everything on (the engine's defaults on a CPU);
 - `oneDNN weights`: the same weights packed for oneDNN instead of for our linear
-  kernel (`workers.native.linear`); the fast path where that kernel is off; where oneDNN
+  kernel (`workers.runner.native.linear`); the fast path where that kernel is off; where oneDNN
   cannot run the dtype (bf16 on an AVX2 CPU) the same as `dense weights`;
 - `dense weights`: linear weights through `F.linear` instead of packed;
 - `torch ops`: RMSNorm, rotary and SiLU x gate as torch ops, not the fused kernels;
@@ -43,7 +43,7 @@ class _Parts:
     kernel: object
 
     def apply(self, engine, config: str) -> None:
-        from workers.model import dense_linear, packed_linear
+        from workers.runner.model import dense_linear, packed_linear
 
         model, runner = engine.runner.model, engine.runner
         dense = config in ("dense weights", "all torch")
@@ -60,7 +60,7 @@ class _Parts:
 
 def _unpacked(weights, kernel):
     """Dense [N, K] weights back from either packing."""
-    from workers.model import map_linears
+    from workers.runner.model import map_linears
 
     def dense(w):
         if w.is_mkldnn:
@@ -72,7 +72,7 @@ def _unpacked(weights, kernel):
 
 def fast_path_parts(engine) -> _Parts | None:
     """The levers of an engine built with the CPU fast path on; None if it is not."""
-    from workers.model import TorchOps, can_pack, pack_weights
+    from workers.runner.model import TorchOps, can_pack, pack_weights
 
     runner, model = engine.runner, engine.runner.model
     if not (runner.packed and runner.fused_ops and runner.decode_kernel is not None):

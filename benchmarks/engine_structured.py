@@ -33,7 +33,7 @@ SCHEMA = {
 def structured_checkpoint(model_dir: Path | None, out_dir: Path) -> Path:
     if model_dir is not None and (model_dir / "tokenizer.json").is_file():
         return model_dir
-    from workers.checkpoints import make_demo_checkpoints
+    from workers.models.demo import make_demo_checkpoints
 
     demo = out_dir / "demo-checkpoints"
     if (demo / "large" / "model.safetensors").is_file():
@@ -54,8 +54,8 @@ def _timed(fn, sink: list[float]):
 
 def _steady_steps(engine, batch: int, guided: bool, warm: int, steps: int) -> dict:
     """Step times with `batch` decoding rows, each replaced when it finishes."""
-    from workers.sampling_params import SamplingParams
-    from workers.structured import GrammarSpec
+    from workers.engine.sampling_params import SamplingParams
+    from workers.engine.structured import GrammarSpec
 
     spec = GrammarSpec.from_schema(SCHEMA) if guided else None
     count = [0]
@@ -82,10 +82,10 @@ def _steady_steps(engine, batch: int, guided: bool, warm: int, steps: int) -> di
 
 
 def run_structured(spec: dict) -> dict:
-    import workers.sampler as sampler
-    from workers.config import EngineConfig, SchedulerConfig
-    from workers.engine import LLMEngine
-    from workers.structured import GrammarSpec
+    import workers.runner.sampler as sampler
+    from workers.engine.config import EngineConfig, SchedulerConfig
+    from workers.engine.llm_engine import LLMEngine
+    from workers.engine.structured import GrammarSpec
 
     engine = LLMEngine.from_pretrained(
         spec["ckpt"],

@@ -43,8 +43,8 @@ def _engine(ckpt: str, *, num_blocks: int, budget: int, max_seqs: int, **kw: Any
     # The previous round's engine is garbage (reference cycles): collect it now, not as
     # a pause of 30-50 ms in the middle of this engine's timed steps.
     gc.collect()
-    from workers.config import EngineConfig, SchedulerConfig
-    from workers.engine import LLMEngine
+    from workers.engine.config import EngineConfig, SchedulerConfig
+    from workers.engine.llm_engine import LLMEngine
 
     prefix = kw.pop("enable_prefix_caching", True)
     dtype = kw.pop("dtype", "float32")
@@ -60,7 +60,7 @@ def _engine(ckpt: str, *, num_blocks: int, budget: int, max_seqs: int, **kw: Any
 
 
 def greedy_params(max_tokens: int):
-    from workers.sampling_params import SamplingParams
+    from workers.engine.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 

@@ -39,8 +39,8 @@ class TPBenchOptions:
 
 
 def _engine(spec: dict):
-    from workers.config import EngineConfig, SchedulerConfig
-    from workers.engine import LLMEngine
+    from workers.engine.config import EngineConfig, SchedulerConfig
+    from workers.engine.llm_engine import LLMEngine
 
     work = spec["workload"]
     need = sum(len(p) + n for p, n in work)

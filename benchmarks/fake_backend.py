@@ -6,7 +6,7 @@ one-character tokens, reports `/load` and `/health`, and can be told to misbehav
 `POST /_control` with `{"mode": ..., "token_delay_s": ...}`; modes are "ok", "refuse"
 (503 with Retry-After), "bad_request" (400: the request's own fault), "hang" (accepts the
 connection and never answers), "die_mid_stream" and "slow_first". Its load reports, usage
-and errors are the wire contract's types (`workers.api`), as a worker's are.
+and errors are the wire contract's types (`workers.api.types`), as a worker's are.
 `GET /_stats` tells how many requests are active and what bodies it received.
 
 Run alone: `python -m benchmarks.fake_backend --port 8101`.
@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from workers.api import ErrorBody, ErrorInfo, LoadReport, Usage
+from workers.api.types import ErrorBody, ErrorInfo, LoadReport, Usage
 
 VOCAB_SIZE = 32000  # what its /load reports; token ids in prompts are checked against it
 

@@ -249,7 +249,7 @@ def fairness_cpu_saturated(tmp: Path, redis_url: str, run_s: float) -> dict:
 
 
 def run_gateway_bench(opts: GatewayBenchOptions) -> dict:
-    from gateway.embedded_redis import EmbeddedRedis
+    from gateway.runtime.embedded_redis import EmbeddedRedis
 
     overload_s = 3.0 if opts.quick else opts.overload_s
     data: dict = {

@@ -283,7 +283,7 @@ def _cpu_saturated_markdown(f: dict[str, Any] | None) -> list[str]:
         head,
         "A heavy tenant from wrk (64 connections, plain requests back to back, more than one "
         "gateway process relays) and a light tenant at 16 streams/s, on the same machine as "
-        "the gateway, the fake backend and Redis. The door (gateway/door.py) holds the "
+        "the gateway, the fake backend and Redis. The door (gateway/capacity/door.py) holds the "
         "tenant over its share to fewer requests in flight while the light tenant's latency "
         "to its reservation is over the gateway's floor; the rest wait in their lane.\n",
         markdown_table(

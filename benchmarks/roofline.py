@@ -30,7 +30,7 @@ class ModelShape:
 
     @classmethod
     def of(cls, cfg) -> "ModelShape":
-        """From a `workers.model_config.ModelConfig` (duck-typed: no import)."""
+        """From a `workers.models.model_config.ModelConfig` (duck-typed: no import)."""
         return cls(
             cfg.hidden_size,
             cfg.intermediate_size,
@@ -168,7 +168,7 @@ def _best_rate(fn, work: float, repeats: int, budget_s: float = 5.0) -> float:
 
 def gemm_rates(dtype, size: int = 2048, repeats: int = 6) -> dict[str, float]:
     """Best FLOP/s of `size`^3 products in `dtype`: torch's matmul ("torch") and, where
-    this CPU builds it, our own linear kernel ("native", `workers.native.linear`).
+    this CPU builds it, our own linear kernel ("native", `workers.runner.native.linear`).
 
     The peak is the faster of the two, so that it bounds what the engine reaches: on an
     AMD Zen 5 torch's fp32 matmul (MKL) ran at ~200 GFLOP/s while our kernel did ~400,
@@ -187,7 +187,7 @@ def gemm_rates(dtype, size: int = 2048, repeats: int = 6) -> dict[str, float]:
 
 def _native_linear_kernel(dtype):
     """Our linear kernel for `dtype`, or None (not built for this CPU, or switched off)."""
-    from workers import native
+    from workers.runner import native
 
     return native.linear(str(dtype).removeprefix("torch."))
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from benchmarks.processes import child_process, free_port, wait_http
 from benchmarks.stats import markdown_table, write_report
-from workers.api import WorkerClient
+from workers.api.client import WorkerClient
 
 BODY = {"model": "small", "prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 4}
 STREAM_BODY = {**BODY, "max_tokens": 16, "stream": True}
@@ -92,7 +92,7 @@ async def _aiohttp(url: str, body: bytes, n: int) -> tuple[float, float]:
 
 
 async def _http1(url: str, body: bytes, n: int) -> tuple[float, float]:
-    """`WorkerClient.post`, as the gateway calls it (`workers.http1` for an http:// worker)."""
+    """`WorkerClient.post`, as the gateway calls it (`workers.api.http1` for an http:// worker)."""
     worker, path = url.split("/v1/", 1)
     async with WorkerClient() as client:
 
@@ -111,7 +111,7 @@ async def _http1(url: str, body: bytes, n: int) -> tuple[float, float]:
 CLIENTS = {
     "httpx (as the gateway had it)": _httpx,
     "aiohttp": _aiohttp,
-    "workers.http1 (the gateway's)": _http1,
+    "workers.api.http1 (the gateway's)": _http1,
 }
 
 

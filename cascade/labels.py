@@ -11,7 +11,7 @@ Where a label comes from (`source`):
 A label never holds prompt text: it holds the dense features of the request. The text is
 kept beside it (with a retention period) only for tenants that opted in, and only labels
 whose text is still there can train a text classifier. Nothing here does I/O; the gateway
-stores labels in a bounded per-tenant Redis stream (`gateway/labels.py`).
+stores labels in a bounded per-tenant Redis stream (`gateway/learning/label_store.py`).
 """
 
 import hashlib

@@ -4,16 +4,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from cli.admin_cmd import add_admin_parser
-from cli.cascade_cmd import add_cascade_parser
-from cli.load_cmd import add_load_parser
+from cli.commands.admin import add_admin_parser
+from cli.commands.cascade import add_cascade_parser
+from cli.commands.load import add_load_parser
+from cli.commands.models import add_models_parsers
+from cli.commands.serve import add_serve_parser
 from cli.logs import setup_logging
-from cli.models_cmd import add_models_parsers
-from cli.serve_cmd import add_serve_parser
 
 
 def _cmd_make_demo(args: argparse.Namespace) -> int:
-    from workers.checkpoints import make_demo_checkpoints
+    from workers.models.demo import make_demo_checkpoints
 
     paths = make_demo_checkpoints(Path(args.out), show_progress=True)
     for name, path in paths.items():
@@ -22,10 +22,10 @@ def _cmd_make_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from workers.config import EngineConfig, SchedulerConfig
-    from workers.engine import LLMEngine
+    from workers.engine.config import EngineConfig, SchedulerConfig
+    from workers.engine.llm_engine import LLMEngine
+    from workers.engine.sampling_params import SamplingParams
     from workers.errors import EngineError
-    from workers.sampling_params import SamplingParams
 
     try:
         # One prompt: size the KV cache and decode workspace for a handful of sequences.
@@ -68,9 +68,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     import os
 
     from cli.config_files import fill, read_yaml
-    from workers.config import EngineConfig
-    from workers.process import serve_worker
-    from workers.service import WorkerConfig, control_exposure_error
+    from workers.engine.config import EngineConfig
+    from workers.server.config import WorkerConfig, control_exposure_error
+    from workers.server.main import serve_worker
 
     raw = read_yaml(args.config)
     engine_cfg = fill(EngineConfig, raw.get("engine"), f"{args.config}: engine")
@@ -126,7 +126,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     from cli.config_files import fill, read_yaml
     from cli.serve.stack import StartupError, check_port_free
     from gateway.config import GatewayConfig
-    from gateway.process import serve_gateway, serve_member
+    from gateway.runtime.main import serve_gateway, serve_member
 
     if args.member:  # one process of a `--workers N` group: its parent sends the spec
         import pickle
@@ -231,7 +231,7 @@ def _cmd_bench_upstream(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_autoscale(args: argparse.Namespace) -> int:
-    from benchmarks.autoscale_bench import AutoscaleBenchOptions, run_autoscale_bench
+    from benchmarks.autoscale.bench import AutoscaleBenchOptions, run_autoscale_bench
 
     run_autoscale_bench(AutoscaleBenchOptions(Path(args.out), quick=args.quick, seed=args.seed))
     return 0

@@ -10,23 +10,23 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.openapi import OpenAPIConfig
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.admin import admin_router
-from gateway.context import Gateway
-from gateway.dashboard import dashboard_routes
-from gateway.door import Gate, LoopMonitor, door_middleware
+from gateway.api.admin import admin_router
+from gateway.api.dashboard import dashboard_routes
+from gateway.api.learning import learning_routes
+from gateway.api.usage import usage_routes
+from gateway.capacity.door import Gate, LoopMonitor, door_middleware
 from gateway.errors import exception_handlers
-from gateway.intake import authenticate
-from gateway.learning_api import learning_routes
-from gateway.process_metrics import ProcessMetrics
-from gateway.proxy import handle
-from gateway.usage_api import usage_routes
+from gateway.gateway import Gateway
+from gateway.runtime.group_metrics import ProcessMetrics
+from gateway.serving.handler import handle
+from gateway.serving.intake import authenticate
 
 log = logging.getLogger(__name__)
 
 
 def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = None) -> Litestar:
     """The app over `gw`. `process_metrics`: this is one process of several on one port,
-    and /metrics answers for all of them (gateway/process_metrics.py)."""
+    and /metrics answers for all of them (gateway/runtime/group_metrics.py)."""
 
     @post("/v1/chat/completions", status_code=200)
     async def chat_completions(request: Request) -> Any:
@@ -127,7 +127,7 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
 
 
 def _door(gw: Gateway) -> tuple[LoopMonitor, list]:
-    """The door (gateway/door.py) as a middleware (none when `door` is off), and the loop
+    """The door (gateway/capacity/door.py) as a middleware (none when `door` is off), and the loop
     monitor that ticks its gate and exports the loop's lag."""
     cfg, metrics = gw.config, gw.metrics
     gate = (

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from workers.api import RequestLimits
+from workers.api.validation import RequestLimits
 
 
 @dataclass
@@ -28,7 +28,7 @@ class GatewayConfig:
     # request's deadline. Set it near the unloaded TTFT to keep accepted requests prompt.
     queue_max_wait_s: float | None = None
     queue_reserve_fraction: float = 0.125  # slots kept for tenants under their fair share
-    # The door (gateway/door.py): with several tenants active, those over their share of
+    # The door (gateway/capacity/door.py): with several tenants active, those over their share of
     # the last door_window_s's admissions are held to a number of requests in flight that
     # halves while the others' latency (arrival to reservation) is door_tolerance_s over
     # the gateway's floor; the rest wait in their tenant's lane, refused (429
@@ -40,7 +40,7 @@ class GatewayConfig:
     door_lane_max: int = 1024  # waiting requests per tenant, per process
     door_refusal_delay_s: float = 0.25  # a door refusal is held this long (a tarpit)
     queue_max_tokens: int = 262144
-    queue_quantum_tokens: int = 256  # DRR credit per tenant visit (gateway/admission.py)
+    queue_quantum_tokens: int = 256  # DRR credit per tenant visit (gateway/capacity/admission.py)
     retry_after_s: float = 1.0
     retry_after_jitter_s: float = 1.0
     dispatch_attempts: int = 3  # tries across replicas before the first token

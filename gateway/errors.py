@@ -7,9 +7,9 @@ from typing import Any
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from gateway.admission import DeadlineExceeded, QueueFull
-from gateway.dispatch import Refused
-from gateway.lease import NoReplica
+from gateway.capacity.admission import DeadlineExceeded, QueueFull
+from gateway.capacity.lease import NoReplica
+from gateway.serving.dispatch import Refused
 from quota.errors import (
     InvalidLimits,
     QuotaExceeded,
@@ -17,7 +17,8 @@ from quota.errors import (
     TenantExists,
     TenantNotFound,
 )
-from workers.api import ApiError, UpstreamError, parse_error
+from workers.api.client import UpstreamError
+from workers.api.types import ApiError, parse_error
 
 
 def retry_headers(seconds: float) -> dict[str, str]:

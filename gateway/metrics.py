@@ -7,7 +7,7 @@ a key id or any prompt text. Pools, routes and statuses are closed sets of the c
 Several gateway replicas: each serves its own `/metrics` and Prometheus sums the targets
 (`sum without (instance)`). A replica of several processes on one port (`--workers N`)
 answers a scrape for all of its processes, each sample labelled `process`
-(`gateway/process_metrics.py`), not through prometheus-client's multiprocess mode, which
+(`gateway/runtime/group_metrics.py`), not through prometheus-client's multiprocess mode, which
 would not carry the scrape-time collectors (queue depth).
 """
 
@@ -205,14 +205,14 @@ class GatewayMetrics:
         self.door_refusals = Counter(
             P + "door_refusals",
             "Requests refused at the door (429 gateway_busy): the tenant was over its share "
-            "and waited door_max_wait_s, or its lane was full (gateway/door.py).",
+            "and waited door_max_wait_s, or its lane was full (gateway/capacity/door.py).",
             ["tenant"],
             registry=registry,
         )
         self.door_limit = Gauge(
             P + "door_limit",
             "Requests the tenants over their share may have in flight in this process, "
-            "adapted to the other tenants' latency (gateway/door.py).",
+            "adapted to the other tenants' latency (gateway/capacity/door.py).",
             registry=registry,
         )
         self.door_waiting = Gauge(
@@ -234,7 +234,7 @@ class GatewayMetrics:
         self.registry.register(_PoolCollector(pools))
 
     def observe_outcome(self, tenant_id: str, outcome: Any) -> None:
-        """One settled request (`gateway.flight.Outcome`)."""
+        """One settled request (`gateway.serving.flight.Outcome`)."""
         tenant = self.tenant(tenant_id)
         self.tenant_requests.labels(tenant, outcome.model, str(outcome.status)).inc()
         self.e2e.labels(outcome.model).observe(outcome.latency_ms / 1000)

@@ -11,7 +11,7 @@ command -v "$PY" >/dev/null || PY=python3
 .venv/bin/python -m pip install -q -c constraints.txt -e '.[dev,convert]'
 # The engine's native CPU kernels, built once here rather than by the first worker (~30 s;
 # a machine without a C++ compiler runs torch's slower path and the log says so).
-.venv/bin/python -m workers.native || echo "warning: native kernels not built (see above)" >&2
+.venv/bin/python -m workers.runner.native || echo "warning: native kernels not built (see above)" >&2
 # System packages the tests drive: chromium (the /dashboard page's browser test, through
 # Playwright), promtool (from `prometheus`: the alert rules' check) and wrk (the gateway
 # bench's load generator). Nothing to do when all are there; installing needs root and

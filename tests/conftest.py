@@ -26,7 +26,7 @@ def llama_dir(checkpoints: dict[str, Path]) -> Path:
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The `small` demo checkpoint (with a real trained tokenizer and chat template)."""
-    from workers.checkpoints import make_demo_checkpoints
+    from workers.models.demo import make_demo_checkpoints
 
     return make_demo_checkpoints(tmp_path_factory.mktemp("demo"), show_progress=False)["small"]
 
@@ -42,8 +42,8 @@ def real_model_dir() -> Path:
 
     if os.environ.get("SWITCHYARD_OFFLINE") == "1":
         pytest.skip("SWITCHYARD_OFFLINE=1: the real model is not fetched")
-    from workers.fetch import fetch_model
-    from workers.registry import default_model
+    from workers.models.fetch import fetch_model
+    from workers.models.registry import default_model
 
     cache = Path(os.environ.get("SWITCHYARD_CACHE") or Path.home() / ".cache" / "switchyard")
     return fetch_model(default_model(), cache, show_progress=False).path

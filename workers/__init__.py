@@ -1,4 +1,4 @@
 """Workers: the inference engine (scheduler, model runner, sampler, detokenizer).
 
-Other packages import only `workers.api`.
+Other packages import only `workers.api.types`.
 """

@@ -10,7 +10,7 @@ from typing import Any
 
 from cli.config_files import fill, read_yaml
 from gateway.config import GatewayConfig
-from workers.config import EngineConfig
+from workers.engine.config import EngineConfig
 from workers.fleet.autoscaler import AutoscalerConfig
 
 DEMO_MODELS = ("demo-small", "demo-large")  # `switchyard models make-demo` checkpoints
@@ -124,7 +124,7 @@ def check(cfg: ServeConfig, where: str) -> None:
         if not isinstance(pool.tensor_parallel, int) or pool.tensor_parallel < 1:
             raise SystemExit(f"{at}.tensor_parallel must be a whole number >= 1")
         fill(EngineConfig, pool.engine, f"{at}.engine")
-        from workers.service import WorkerConfig  # imports torch: only when validating
+        from workers.server.config import WorkerConfig
 
         fill(WorkerConfig, pool.worker, f"{at}.worker")
         scaler_keys = {f.name for f in fields(AutoscalerConfig)} - {"min_replicas", "max_replicas"}

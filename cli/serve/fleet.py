@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from gateway.pool import Pool
+from gateway.capacity.pool import Pool
 from workers.fleet.actuator import apply_decision
 from workers.fleet.autoscaler import Autoscaler
 from workers.fleet.signals import PoolSignals
-from workers.supervisor import LocalSupervisor
+from workers.fleet.supervisor import LocalSupervisor
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ RATE_WINDOW_S = 10.0
 
 
 class PoolMembership:
-    """`workers.supervisor.Membership` over the gateway's pools. `targets_file`: where the
+    """`workers.fleet.supervisor.Membership` over the gateway's pools. `targets_file`: where the
     workers are listed for Prometheus (file_sd JSON, one group per pool; None: nowhere)."""
 
     def __init__(self, pools: dict[str, Pool], targets_file: Path | None = None) -> None:

@@ -21,22 +21,22 @@ from pathlib import Path
 import uvicorn
 import yaml
 
+from cli.commands.models import cache_dir
 from cli.config_files import fill
 from cli.logs import setup_logging
-from cli.models_cmd import cache_dir
 from cli.serve import console, state
 from cli.serve.config import DEMO_MODELS, ServeConfig, autoscaler_config
 from cli.serve.fleet import FleetLoop, PoolMembership
 from gateway.app import create_gateway_app
 from gateway.config import GatewayConfig
-from gateway.context import Gateway
-from gateway.embedded_redis import EmbeddedRedis
-from gateway.http_server import server_config
-from gateway.process import build_gateway
+from gateway.gateway import Gateway
+from gateway.runtime.embedded_redis import EmbeddedRedis
+from gateway.runtime.http_server import server_config
+from gateway.runtime.main import build_gateway
 from quota.models import TenantLimits
-from workers.api import WorkerClient
+from workers.api.client import WorkerClient
 from workers.fleet.autoscaler import Autoscaler
-from workers.supervisor import LocalSupervisor, PoolLaunch, SupervisorConfig
+from workers.fleet.supervisor import LocalSupervisor, PoolLaunch, SupervisorConfig
 
 log = logging.getLogger(__name__)
 
@@ -81,13 +81,13 @@ def ensure_models(cfg: ServeConfig, data_dir: Path) -> dict[str, Path]:
         elif pool.model in DEMO_MODELS:
             path = data_dir / "models" / pool.model.removeprefix("demo-")
             if not (path / "config.json").is_file():
-                from workers.checkpoints import make_demo_checkpoints
+                from workers.models.demo import make_demo_checkpoints
 
                 console.note(f"making the demo checkpoints under {path.parent}")
                 make_demo_checkpoints(path.parent, show_progress=True)
         else:
-            from workers.fetch import fetch_model
-            from workers.registry import find_model
+            from workers.models.fetch import fetch_model
+            from workers.models.registry import find_model
 
             try:
                 spec = find_model(pool.model)
@@ -97,7 +97,7 @@ def ensure_models(cfg: ServeConfig, data_dir: Path) -> dict[str, Path]:
                 raise StartupError(f"pools.{name}.model: {exc}") from None
             path = fetched.path
         if pool.tensor_parallel != 1:
-            from workers.model_config import load_model_config
+            from workers.models.model_config import load_model_config
             from workers.tp.plan import ShardingError, check_shardable
 
             try:

@@ -7,7 +7,7 @@ import redis
 
 from gateway.app import create_gateway_app
 from gateway.config import GatewayConfig
-from gateway.process import build_gateway
+from gateway.runtime.main import build_gateway
 from tests.support.redis_server import redis_url as start_redis
 from tests.support.servers import serving, wait_ready
 from tests.support.worker import running_worker

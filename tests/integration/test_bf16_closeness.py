@@ -11,9 +11,9 @@ import torch
 
 from tests.integration.test_engine_correctness import make_prompts
 from tests.support.cpu import runs_native_kernels
-from workers.config import EngineConfig, SchedulerConfig
-from workers.engine import LLMEngine
-from workers.sampling_params import SamplingParams
+from workers.engine.config import EngineConfig, SchedulerConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.sampling_params import SamplingParams
 
 NUM_TOKENS = 16
 PARAMS = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)

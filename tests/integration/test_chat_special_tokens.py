@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, processors
 
 from tests.support.worker import running_worker
-from workers.checkpoints import BOS_TOKEN, CHATML_TEMPLATE
+from workers.models.demo import BOS_TOKEN, CHATML_TEMPLATE
 
 MESSAGES = [{"role": "user", "content": "Hello there"}]
 

@@ -16,8 +16,8 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from gateway.config import GatewayConfig
-from gateway.process import build_gateway
-from workers.metrics import EngineCollector, WorkerMetrics
+from gateway.runtime.main import build_gateway
+from workers.server.metrics import EngineCollector, WorkerMetrics
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
 METRIC = re.compile(r"\b(switchyard_[a-z0-9_]+)")

@@ -1,4 +1,4 @@
-"""Decode steps from per-bucket graphs (`workers.decode_graphs`).
+"""Decode steps from per-bucket graphs (`workers.runner.decode_graphs`).
 
 On the CPU the buckets run in "eager" mode: the same padding, sink slot, static buffers
 and first-replay check as on CUDA, without the recording. The CUDA test records real
@@ -13,10 +13,16 @@ import pytest
 import torch
 
 from tests.support.checkpoints import VOCAB, load_reference, reference_greedy
-from workers.config import EngineConfig, SchedulerConfig
-from workers.decode_graphs import DecodeGraphs, _Graph, batch_buckets, bucket_for, context_buckets
-from workers.engine import LLMEngine
-from workers.sampling_params import SamplingParams
+from workers.engine.config import EngineConfig, SchedulerConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.sampling_params import SamplingParams
+from workers.runner.decode_graphs import (
+    DecodeGraphs,
+    _Graph,
+    batch_buckets,
+    bucket_for,
+    context_buckets,
+)
 
 
 def make_engine(path: Path, graphs: str, device: str = "cpu", **kw) -> LLMEngine:
@@ -46,7 +52,7 @@ def greedy_matches_transformers(engine, reference, caplog, num_prompts: int, see
     tokens against transformers'."""
     ps = prompts(num_prompts, seed)
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    with caplog.at_level(logging.ERROR, logger="workers.decode_graphs"):
+    with caplog.at_level(logging.ERROR, logger="workers.runner.decode_graphs"):
         results = engine.generate(ps, greedy)
     for p, r in zip(ps, results, strict=True):
         assert r.token_ids == reference_greedy(reference, p, 10)

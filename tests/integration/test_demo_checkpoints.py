@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from workers.checkpoints import make_demo_checkpoints
+from workers.models.demo import make_demo_checkpoints
 
 EXPECTED_PARAMS = {"small": (1_500_000, 3_000_000), "large": (15_000_000, 25_000_000)}
 

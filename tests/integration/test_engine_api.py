@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from workers.async_engine import AsyncEngine
-from workers.config import EngineConfig, SchedulerConfig
-from workers.engine import LLMEngine
+from workers.engine.async_engine import AsyncEngine
+from workers.engine.config import EngineConfig, SchedulerConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.request import FinishReason
+from workers.engine.sampling_params import SamplingParams
 from workers.errors import ContextLengthError, InvalidRequestError
-from workers.request import FinishReason
-from workers.sampling_params import SamplingParams
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
 

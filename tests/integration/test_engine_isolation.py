@@ -8,11 +8,11 @@ every KV block is free afterwards.
 
 import pytest
 
-from workers.config import EngineConfig, SchedulerConfig
-from workers.engine import MAX_FAILED_STEPS, LLMEngine
+from workers.engine.config import EngineConfig, SchedulerConfig
+from workers.engine.llm_engine import MAX_FAILED_STEPS, LLMEngine
+from workers.engine.request import FinishReason
+from workers.engine.sampling_params import SamplingParams
 from workers.errors import EngineStepError
-from workers.request import FinishReason
-from workers.sampling_params import SamplingParams
 
 PROMPTS = ["The history of", "import os and sys", "A long time ago in"]
 
@@ -93,7 +93,7 @@ def test_a_request_whose_forward_pass_raises_mid_batch_fails_alone(engine, monke
 
 
 def bypassing(**fields) -> SamplingParams:
-    """SamplingParams holding values that workers.validation would have refused."""
+    """SamplingParams holding values that workers.api.validation would have refused."""
     params = greedy()
     for name, value in fields.items():
         object.__setattr__(params, name, value)
@@ -120,7 +120,7 @@ def test_out_of_range_values_that_slip_past_validation_fail_alone(engine, fields
 def test_a_failure_after_sampling_leaves_seeded_neighbours_on_their_own_random_path(
     engine, monkeypatch
 ):
-    import workers.runner as runner_module
+    import workers.runner.runner as runner_module
 
     reference = run(engine, good_requests(engine, seeded))
     original = runner_module.compute_logprobs
@@ -186,7 +186,7 @@ def test_a_request_failing_at_add_fails_alone_and_its_twin_id_is_untouched(engin
     run(engine, [])
     assert first.finish_reason is FinishReason.LENGTH and first.num_output_tokens == 6
 
-    import workers.engine as engine_module
+    import workers.engine.llm_engine as engine_module
 
     real = engine_module.IncrementalDetokenizer
 

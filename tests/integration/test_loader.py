@@ -9,11 +9,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.support.checkpoints import load_reference, make_tiny_checkpoint, reference_greedy
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
+from workers.engine.config import EngineConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.sampling_params import SamplingParams
 from workers.errors import CheckpointError
-from workers.runner import plan_num_kv_blocks
-from workers.sampling_params import SamplingParams
+from workers.runner.runner import plan_num_kv_blocks
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

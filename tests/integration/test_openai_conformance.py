@@ -21,7 +21,7 @@ import pytest
 
 from gateway.app import create_gateway_app
 from gateway.config import GatewayConfig
-from gateway.process import build_gateway
+from gateway.runtime.main import build_gateway
 from tests.support.checkpoints import with_chat_template
 from tests.support.redis_server import redis_url as start_redis
 from tests.support.servers import serving

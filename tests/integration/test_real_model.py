@@ -7,9 +7,9 @@ import torch
 from openai import OpenAI
 
 from tests.support.worker import running_worker
-from workers.config import EngineConfig, SchedulerConfig
-from workers.engine import LLMEngine
-from workers.sampling_params import SamplingParams
+from workers.engine.config import EngineConfig, SchedulerConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.sampling_params import SamplingParams
 
 QUESTION = "What is the capital of France?"
 ANSWER = "The capital of France is Paris."

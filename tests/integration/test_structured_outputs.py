@@ -8,10 +8,10 @@ import httpx
 import pytest
 
 from tests.support.worker import running_worker
-from workers.config import EngineConfig, SchedulerConfig
-from workers.engine import LLMEngine
-from workers.sampling_params import SamplingParams
-from workers.structured import GrammarSpec
+from workers.engine.config import EngineConfig, SchedulerConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.structured import GrammarSpec
 
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tests.support.checkpoints import VOCAB, load_reference, reference_greedy
-from workers.config import EngineConfig, SchedulerConfig
-from workers.engine import LLMEngine
-from workers.sampling_params import SamplingParams
+from workers.engine.config import EngineConfig, SchedulerConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.sampling_params import SamplingParams
 from workers.tp.config import ShardConfig
 from workers.tp.launch import sharded_engine
 

@@ -17,9 +17,9 @@ import pytest
 
 from tests.support.servers import wait_ready
 from tests.support.worker import free_port
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.sampling_params import SamplingParams
+from workers.engine.config import EngineConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.sampling_params import SamplingParams
 
 TIMEOUTS_YAML = """
 shard_group:

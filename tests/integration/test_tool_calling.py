@@ -7,13 +7,13 @@ import json
 import httpx
 import pytest
 
-from gateway.tokens import PoolTokenizer, PromptCounter
+from gateway.serving.prompt_tokens import PoolTokenizer, PromptCounter
 from tests.support.checkpoints import with_chat_template
 from tests.support.worker import running_worker
-from workers.api import ChatCompletionRequest, decode_request
-from workers.openai_format import chat_prompt
-from workers.tokenizer import CheckpointTokenizer
-from workers.tools import plan_tools
+from workers.api.types import ChatCompletionRequest, decode_request
+from workers.engine.tokenizer import CheckpointTokenizer
+from workers.server.openai_format import chat_prompt
+from workers.server.tools import plan_tools
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")

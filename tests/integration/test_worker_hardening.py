@@ -15,7 +15,7 @@ import pytest
 from tests.support.waiting import eventually
 from tests.support.worker import running_worker
 from tests.support.worker_client import load
-from workers.validation import RequestLimits
+from workers.api.validation import RequestLimits
 
 PROMPTS = ["The history of", "import os and sys", "A long time ago in"]
 
@@ -299,7 +299,7 @@ def test_the_worker_refuses_to_open_drain_to_the_network_without_a_key(
 
 BROKEN_DEVICE_WORKER = """
 import sys
-from workers.runner import ModelRunner
+from workers.runner.runner import ModelRunner
 def broken(self, batch, tables):
     raise RuntimeError("device lost")
 ModelRunner.execute = broken

@@ -10,7 +10,7 @@ import pytest
 from tests.support.waiting import eventually
 from tests.support.worker import running_worker
 from tests.support.worker_client import load
-from workers.sampling_params import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ def cpu_flags() -> set[str]:
 
 
 def runs_native_kernels(dtype: str) -> bool:
-    """Whether the native linear layers (`workers.native.linear`) and prompt attention
-    (`workers.native.prefill_attention`) run `dtype` here: AVX-512 (bf16: with the bf16
+    """Whether the native linear layers (`workers.runner.native.linear`) and prompt attention
+    (`workers.runner.native.prefill_attention`) run `dtype` here: AVX-512 (bf16: with the bf16
     dot-product instructions), or else AVX2 with FMA, which runs both dtypes (bf16 widened
     to fp32)."""
     flags = cpu_flags()

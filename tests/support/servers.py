@@ -24,7 +24,7 @@ def serving(app, startup_timeout_s: float = 10.0, **config_kwargs):
 
     `app` is an ASGI app (served on a free port; `config_kwargs` go to `uvicorn.Config`, e.g.
     `timeout_keep_alive=1`), or a prebuilt `uvicorn.Config` (served on its host and port, as
-    `gateway.http_server.server_config` builds it)."""
+    `gateway.runtime.http_server.server_config` builds it)."""
     if isinstance(app, uvicorn.Config):
         if config_kwargs:
             raise TypeError("config_kwargs do not apply to a prebuilt uvicorn.Config")

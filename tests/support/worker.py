@@ -9,12 +9,13 @@ from pathlib import Path
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from workers.async_engine import AsyncEngine
-from workers.config import EngineConfig, SchedulerConfig
-from workers.engine import LLMEngine
-from workers.metrics import EngineCollector, WorkerMetrics
-from workers.server import create_worker_app
-from workers.service import WorkerConfig, WorkerService
+from workers.engine.async_engine import AsyncEngine
+from workers.engine.config import EngineConfig, SchedulerConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.server.app import create_worker_app
+from workers.server.config import WorkerConfig
+from workers.server.metrics import EngineCollector, WorkerMetrics
+from workers.server.service import WorkerService
 
 
 def free_port() -> int:

@@ -1,12 +1,13 @@
 """The tests read workers through the same client as the gateway and the supervisor
-(`workers.api.WorkerClient`), so a change to the wire contract breaks them too."""
+(`workers.api.client.WorkerClient`), so a change to the wire contract breaks them too."""
 
 import asyncio
 from typing import Any
 
 import msgspec
 
-from workers.api import LoadReport, WorkerClient
+from workers.api.client import WorkerClient
+from workers.api.types import LoadReport
 
 
 async def _load(url: str) -> LoadReport | None:

@@ -73,7 +73,7 @@ def test_the_machine_is_the_best_source_of_each_measurement():
 def test_the_gemm_peak_includes_our_kernel_where_it_is_built():
     import torch
 
-    from workers import native
+    from workers.runner import native
 
     rates = gemm_rates(torch.float32, size=128, repeats=1)
     assert rates["torch"] > 0

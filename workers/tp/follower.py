@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from workers.config import EngineConfig, SchedulerConfig
+from workers.engine.config import EngineConfig, SchedulerConfig
 from workers.tp.config import ShardConfig
 from workers.tp.group import ShardGroup, ShardGroupError
 from workers.tp.runner import ShardedRunner

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.model_config import load_model_config
-from workers.runner import _num_cpus, plan_threads
+from workers.engine.config import EngineConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.models.model_config import load_model_config
+from workers.runner.runner import _num_cpus, plan_threads
 from workers.tp.config import ShardConfig
 from workers.tp.group import STOP, HeartbeatThread, ShardGroup, ShardGroupError, rank_device
 from workers.tp.plan import check_shardable
@@ -121,7 +121,7 @@ class ShardGroupLauncher:
 
     def build_engine(self) -> LLMEngine:
         """`build_runner`, then the engine around it (rank 0 schedules and samples)."""
-        from workers.tokenizer import CheckpointTokenizer
+        from workers.engine.tokenizer import CheckpointTokenizer
 
         runner = self.build_runner()
         has_tok = (self.model_dir / "tokenizer.json").is_file()

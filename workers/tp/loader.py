@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 
 from workers.errors import CheckpointError
-from workers.loader import safetensors_files
-from workers.model import LayerWeights, ModelWeights
-from workers.model_config import ModelConfig
+from workers.models.model_config import ModelConfig
+from workers.runner.loader import safetensors_files
+from workers.runner.model import LayerWeights, ModelWeights
 from workers.tp.plan import ShardPlan
 
 

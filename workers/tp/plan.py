@@ -3,7 +3,7 @@
 from dataclasses import dataclass, replace
 
 from workers.errors import CheckpointError
-from workers.model_config import ModelConfig
+from workers.models.model_config import ModelConfig
 
 
 class ShardingError(CheckpointError):

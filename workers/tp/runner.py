@@ -13,9 +13,9 @@ from pathlib import Path
 
 import msgspec
 
-from workers.config import EngineConfig
-from workers.request import Request
-from workers.runner import ModelRunner, SampledToken
+from workers.engine.config import EngineConfig
+from workers.engine.request import Request
+from workers.runner.runner import ModelRunner, SampledToken
 from workers.tp.group import PING, STEP, STOP, ShardGroup, ShardGroupError
 from workers.tp.shard import RankShard
 

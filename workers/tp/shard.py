@@ -2,7 +2,7 @@
 
 `RankShard` is what `ModelRunner(shard=...)` and `CausalLM(tp=...)` are given: it loads
 this rank's weights, shrinks the model config to this rank's heads and columns, and
-implements the three collectives of the forward pass (`workers.model.ShardOps`).
+implements the three collectives of the forward pass (`workers.runner.model.ShardOps`).
 """
 
 from pathlib import Path
@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from workers.model import ModelWeights
-from workers.model_config import ModelConfig
+from workers.models.model_config import ModelConfig
+from workers.runner.model import ModelWeights
 from workers.tp.group import ShardGroup
 from workers.tp.loader import load_shard
 from workers.tp.plan import ShardPlan, local_config, make_plan
@@ -40,7 +40,7 @@ class RankShard:
     def agree_min(self, value: int) -> int:
         return self.group.agree_min(value, self.group.config.start_timeout_s)
 
-    # -- for the forward pass (workers.model.ShardOps) --------------------------------
+    # -- for the forward pass (workers.runner.model.ShardOps) --------------------------------
 
     def embed(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         assert self.plan is not None

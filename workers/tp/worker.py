@@ -12,11 +12,11 @@ import os
 import sys
 from pathlib import Path
 
-from workers.async_engine import AsyncEngine
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.process import serve_worker
-from workers.service import WorkerConfig
+from workers.engine.async_engine import AsyncEngine
+from workers.engine.config import EngineConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.server.config import WorkerConfig
+from workers.server.main import serve_worker
 from workers.tp.config import ShardConfig
 from workers.tp.group import ShardGroupError
 from workers.tp.launch import ShardGroupLauncher

@@ -12,7 +12,7 @@ import pytest
 from benchmarks.fake_backend import FakeBackend
 from gateway.app import create_gateway_app
 from gateway.config import GatewayConfig
-from gateway.process import build_gateway
+from gateway.runtime.main import build_gateway
 from tests.support.redis_server import redis_url as start_redis
 from tests.support.servers import serving
 
@@ -79,7 +79,7 @@ def gateway_stack(redis_url: str, replicas: dict[str, int] | None = None, **conf
                 backends[name] = FakeBackend(name=name)
                 urls[name] = stack.enter_context(serving(backends[name]))
                 pools[pool].append(urls[name])
-        # The door (gateway/door.py) holds over-share tenants by the others' latency,
+        # The door (gateway/capacity/door.py) holds over-share tenants by the others' latency,
         # which a test process (gateway, backends and clients sharing one GIL) has for
         # other reasons; it has tests of its own, so here it is off unless a test asks.
         config.setdefault("door", False)

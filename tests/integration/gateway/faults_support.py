@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 
 from gateway.app import create_gateway_app
-from gateway.balancer import prefix_key, rendezvous_weight
+from gateway.capacity.balancer import prefix_key, rendezvous_weight
 from gateway.config import GatewayConfig
-from gateway.http_server import server_config
-from gateway.process import build_gateway
+from gateway.runtime.http_server import server_config
+from gateway.runtime.main import build_gateway
 from tests.integration.gateway.conftest import ADMIN, Stack
 from tests.support.servers import serving, wait_ready
 from tests.support.worker import free_port
@@ -212,7 +212,7 @@ def stats(url: str) -> dict:
 @contextmanager
 def gateway_over(redis_url: str, pools: dict[str, list[str]], *, server=None, **config):
     """An in-process gateway over these worker URLs (fresh Redis db); `server`: kwargs of
-    `gateway.http_server.server_config` to serve it as the gateway process does."""
+    `gateway.runtime.http_server.server_config` to serve it as the gateway process does."""
     import redis
 
     redis.Redis.from_url(redis_url).flushdb()

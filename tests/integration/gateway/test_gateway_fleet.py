@@ -15,8 +15,8 @@ from benchmarks.fake_backend import FakeBackend
 from cli.main import main as cli_main
 from gateway.app import create_gateway_app
 from gateway.config import GatewayConfig
-from gateway.embedded_redis import EmbeddedRedis
-from gateway.process import build_gateway
+from gateway.runtime.embedded_redis import EmbeddedRedis
+from gateway.runtime.main import build_gateway
 from quota.apikeys import format_key, new_key_id, new_secret
 from tests.integration.gateway.conftest import ADMIN, Stack, gateway_stack
 from tests.support.servers import gateway_process, serving

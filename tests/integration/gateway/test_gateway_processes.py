@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from benchmarks.fake_backend import FakeBackend
 from cli.serve.stack import check_port_free
 from gateway.config import GatewayConfig
-from gateway.processes import MemberSpec, ProcessGroup, RestartPolicy, member_configs
+from gateway.runtime.group import MemberSpec, ProcessGroup, RestartPolicy, member_configs
 from tests.integration.gateway.conftest import ADMIN
 from tests.support.servers import REPO_ROOT, serving, stop_process, wait_ready
 from tests.support.waiting import eventually

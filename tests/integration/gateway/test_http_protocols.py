@@ -14,7 +14,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.http_server import reuse_port_socket, server_config
+from gateway.runtime.http_server import reuse_port_socket, server_config
 from tests.support.waiting import closed_after, eventually
 
 HEADER_S = 1.0

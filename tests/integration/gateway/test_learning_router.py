@@ -16,7 +16,7 @@ from benchmarks.fake_backend import FakeBackend
 from cli.main import main as cli_main
 from gateway.app import create_gateway_app
 from gateway.config import GatewayConfig
-from gateway.process import build_gateway
+from gateway.runtime.main import build_gateway
 from tests.integration.gateway.conftest import ADMIN, Stack, _flush, _wait_ready
 from tests.support.servers import serving
 from tests.unit.cascade.conftest import synthetic_rows, write_csv

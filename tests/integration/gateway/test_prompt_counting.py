@@ -1,9 +1,9 @@
 """The gateway counts a chat's prompt tokens as the worker will: the checkpoint's template
 rendered over every message, then tokenized, so quotas and context limits see it all."""
 
-from gateway.tokens import PoolTokenizer, PromptCounter
-from workers.api import ChatMessage
-from workers.tokenizer import CheckpointTokenizer
+from gateway.serving.prompt_tokens import PoolTokenizer, PromptCounter
+from workers.api.types import ChatMessage
+from workers.engine.tokenizer import CheckpointTokenizer
 
 
 def messages(*pairs: tuple[str, str]) -> list[ChatMessage]:

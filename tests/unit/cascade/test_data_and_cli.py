@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cascade.data import DatasetError, load_dataset
-from cli.cascade_cmd import add_cascade_parser
+from cli.commands.cascade import add_cascade_parser
 from tests.unit.cascade.conftest import synthetic_rows, write_csv
 
 ROUTELLM = ("mistralai/Mixtral-8x7B-Instruct-v0.1", "gpt-4-1106-preview")

@@ -3,8 +3,8 @@
 import json
 
 from cli.serve.fleet import PoolMembership
-from gateway.admission import QueueConfig
-from gateway.pool import Pool
+from gateway.capacity.admission import QueueConfig
+from gateway.capacity.pool import Pool
 
 
 def test_membership_rewrites_the_prometheus_targets_file(tmp_path):

@@ -2,9 +2,9 @@
 
 import dataclasses
 
+from benchmarks.autoscale.baselines import oracle_policy, static_policy
+from benchmarks.autoscale.simulate import SimConfig, Trace, make_arrivals, simulate
 from workers.fleet.autoscaler import Autoscaler, AutoscalerConfig
-from workers.fleet.baselines import oracle_policy, static_policy
-from workers.fleet.simulate import SimConfig, Trace, make_arrivals, simulate
 
 SIM = SimConfig(startup_s=20.0, max_replicas=10, dt_s=0.2)
 # 4 req/s (3 replicas), then 14 req/s (9 replicas) for 150 s, then 4 again.

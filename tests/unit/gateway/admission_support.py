@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from gateway.admission import AdmissionController, FairQueue, QueueConfig, Ticket
+from gateway.capacity.admission import AdmissionController, FairQueue, QueueConfig, Ticket
 
 
 class FakeClock:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gateway.admission import DeadlineExceeded, FairQueue, QueueConfig, QueueFull
+from gateway.capacity.admission import DeadlineExceeded, FairQueue, QueueConfig, QueueFull
 from tests.unit.gateway.admission_support import (
     FakeClock,
     make_controller,

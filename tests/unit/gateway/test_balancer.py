@@ -1,6 +1,6 @@
 """Worker choice: least loaded, eligibility, and rendezvous prefix affinity."""
 
-from gateway.balancer import (
+from gateway.capacity.balancer import (
     WorkerView,
     choose_worker,
     has_room,

@@ -5,7 +5,7 @@ the loop monitor (a real event loop, blocked on purpose)."""
 import asyncio
 import time
 
-from gateway.door import Gate, LoopMonitor, Shares
+from gateway.capacity.door import Gate, LoopMonitor, Shares
 
 
 class Clock:

@@ -7,9 +7,9 @@ import random
 from types import SimpleNamespace
 
 from gateway.config import GatewayConfig
-from gateway.intake import authenticate_caller
+from gateway.serving.intake import authenticate_caller
 from tests.support.waiting import settles
-from workers.api import ApiError
+from workers.api.types import ApiError
 
 REQUEST = SimpleNamespace(headers={"authorization": "Bearer sk-test-key"})
 

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from gateway.admission import QueueConfig, QueueFull, Ticket
-from gateway.lease import Lease, NoReplica
-from gateway.pool import Pool
+from gateway.capacity.admission import QueueConfig, QueueFull, Ticket
+from gateway.capacity.lease import Lease, NoReplica
+from gateway.capacity.pool import Pool
 
 
 def make_pool(num_workers: int = 2, max_inflight: int = 1, **queue) -> Pool:

@@ -4,7 +4,7 @@ import msgspec
 import pytest
 
 from cascade.policy import EscalationSettings
-from gateway.plan import (
+from gateway.serving.plan import (
     GatewayChatRequest,
     GatewayCompletionRequest,
     Plan,
@@ -17,7 +17,7 @@ from gateway.plan import (
     timeout_of,
     upstream_body,
 )
-from workers.api import ApiError
+from workers.api.types import ApiError
 
 
 def chat(**fields) -> GatewayChatRequest:

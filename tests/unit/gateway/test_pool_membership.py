@@ -4,9 +4,9 @@ autoscaler reads (arrivals offered, service time of served requests)."""
 import asyncio
 import math
 
-from gateway.admission import QueueConfig, Ticket
-from gateway.lease import Lease
-from gateway.pool import Pool
+from gateway.capacity.admission import QueueConfig, Ticket
+from gateway.capacity.lease import Lease
+from gateway.capacity.pool import Pool
 
 
 class Clock:

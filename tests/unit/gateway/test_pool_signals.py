@@ -1,7 +1,7 @@
 """What a pool tells the autoscaler: TTFT p90 over a window, None when nothing was seen."""
 
-from gateway.admission import QueueConfig
-from gateway.pool import Pool
+from gateway.capacity.admission import QueueConfig
+from gateway.capacity.pool import Pool
 
 
 class Clock:

@@ -6,8 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import GatewayConfig
-from gateway.process_metrics import merge_expositions, render
-from gateway.processes import RestartPolicy, member_configs, restart_delay_s, split_evenly
+from gateway.runtime.group import RestartPolicy, member_configs, restart_delay_s, split_evenly
+from gateway.runtime.group_metrics import merge_expositions, render
 
 
 @pytest.mark.parametrize(

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from gateway import relay as relay_mod
-from gateway.flight import Attempt
-from gateway.relay import relay
+from gateway.serving import relay as relay_mod
+from gateway.serving.flight import Attempt
+from gateway.serving.relay import relay
 
 
 class Upstream:

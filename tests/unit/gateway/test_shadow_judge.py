@@ -8,9 +8,9 @@ from types import SimpleNamespace
 from prometheus_client import CollectorRegistry
 
 from cascade.policy import LearningSettings
-from gateway.shadow import Learner, answer_of
+from gateway.learning.learner import Learner, answer_of
 from tests.support.servers import serving
-from workers.api import WorkerClient
+from workers.api.client import WorkerClient
 
 
 class _Judge:

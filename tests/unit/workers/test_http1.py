@@ -1,4 +1,4 @@
-"""`workers.http1`, the gateway's upstream HTTP/1.1 client, against real servers on loopback:
+"""`workers.api.http1`, the gateway's upstream HTTP/1.1 client, against real servers on loopback:
 an aiohttp server for well-formed answers and raw asyncio servers for the ways a worker can
 misbehave (dying mid-body, closing a kept-alive socket as a request arrives)."""
 
@@ -10,7 +10,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from workers.http1 import ConnectFailed, Http1Error, Http1Pool
+from workers.api.http1 import ConnectFailed, Http1Error, Http1Pool
 
 pytestmark = pytest.mark.asyncio
 

@@ -1,8 +1,8 @@
-"""Finding the request that makes a batched step fail (workers.isolation), with fakes."""
+"""Finding the request that makes a batched step fail (workers.engine.isolation), with fakes."""
 
-from workers.isolation import execute_isolated
-from workers.request import Request
-from workers.sampling_params import SamplingParams
+from workers.engine.isolation import execute_isolated
+from workers.engine.request import Request
+from workers.engine.sampling_params import SamplingParams
 
 
 def make_batch(n: int, seeded: bool = False) -> list[tuple[Request, int]]:

@@ -1,4 +1,4 @@
-"""Large CPU buffers on transparent huge pages (`workers.memory`)."""
+"""Large CPU buffers on transparent huge pages (`workers.runner.memory`)."""
 
 import itertools
 import re
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.memory import HUGE_PAGE, HugeArena, cpu_zeros, huge_pages_available, zeros
+from workers.runner.memory import HUGE_PAGE, HugeArena, cpu_zeros, huge_pages_available, zeros
 
 
 def _thp_mode() -> str | None:

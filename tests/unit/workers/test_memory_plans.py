@@ -1,6 +1,6 @@
 """KV pool, decode workspace and thread planning: pure arithmetic over sizes."""
 
-from workers.runner import plan_num_kv_blocks, plan_threads, plan_workspace_rows
+from workers.runner.runner import plan_num_kv_blocks, plan_threads, plan_workspace_rows
 
 GIB = 2**30
 SMOLLM2_FP32_TOKEN = 2 * 30 * 3 * 64 * 4  # bytes of K and V per token: 30 layers, 3 KV heads

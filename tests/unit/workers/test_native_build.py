@@ -1,10 +1,10 @@
-"""How `workers.native` builds: a lock left by a killed build or start hangs no later one."""
+"""How `workers.runner.native` builds: a lock left by a killed build or start hangs no later one."""
 
 import os
 import time
 from pathlib import Path
 
-from workers import native
+from workers.runner import native
 
 
 def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path):

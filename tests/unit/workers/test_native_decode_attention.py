@@ -6,7 +6,7 @@ would silently run the slower torch path everywhere)."""
 import pytest
 import torch
 
-from workers import native
+from workers.runner import native
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The native kernels keep the GIL while they run (see `workers/native/__init__.py`).
+"""The native kernels keep the GIL while they run (see `workers/runner/native/__init__.py`).
 
 Releasing it let the worker's event loop take a core from one of a kernel's OpenMP
 threads on this 2-core machine: the worker over HTTP fell from 629 to 524 tok/s in
@@ -7,7 +7,7 @@ and this test changed with it."""
 
 import re
 
-from workers import native
+from workers.runner import native
 
 
 def test_no_kernel_entry_point_releases_the_gil():

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.support.cpu import runs_native_kernels
-from workers import native
+from workers.runner import native
 
 DTYPES = pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 

@@ -2,9 +2,9 @@
 
 import torch
 
-from workers.request import Request
-from workers.sampler import compute_logprobs, make_sampling_batch, sample
-from workers.sampling_params import SamplingParams
+from workers.engine.request import Request
+from workers.engine.sampling_params import SamplingParams
+from workers.runner.sampler import compute_logprobs, make_sampling_batch, sample
 
 
 def make_req(rid: str = "r", **params) -> Request:

@@ -15,8 +15,8 @@ from tests.unit.workers.scheduler_factories import (
     scheduled_ids,
     step,
 )
-from workers.request import FinishReason, RequestStatus
-from workers.scheduler import (
+from workers.engine.request import FinishReason, RequestStatus
+from workers.engine.scheduler import (
     chunk_cost,
     effective_priority,
     pick_victim,
@@ -28,8 +28,9 @@ from workers.scheduler import (
 
 def test_scheduler_modules_import_without_torch() -> None:
     code = (
-        "import sys, kvcache, workers.scheduler, workers.config, workers.request, "
-        "workers.sampling_params; assert 'torch' not in sys.modules, 'torch imported'"
+        "import sys, kvcache, workers.engine.scheduler, workers.engine.config, "
+        "workers.engine.request, "
+        "workers.engine.sampling_params; assert 'torch' not in sys.modules, 'torch imported'"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True

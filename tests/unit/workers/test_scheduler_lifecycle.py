@@ -9,7 +9,7 @@ from tests.unit.workers.scheduler_factories import (
     scheduled_ids,
     step,
 )
-from workers.request import FinishReason, RequestStatus
+from workers.engine.request import FinishReason, RequestStatus
 
 # -- abort ------------------------------------------------------------------------------
 

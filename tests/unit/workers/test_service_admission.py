@@ -1,6 +1,7 @@
 """Which waiting requests count against a worker's short line (pure, no torch)."""
 
-from workers.service_admission import QueueSnapshot, backlog
+from workers.engine.stats import QueueSnapshot
+from workers.server.admission import backlog
 
 
 def snap(waiting: list[int], running: int = 0, seats: int = 64, free_kv: int = 8192):

@@ -5,8 +5,8 @@ import asyncio
 import sys
 from pathlib import Path
 
-from workers.api import LoadReport
-from workers.supervisor import LocalSupervisor, PoolLaunch, SupervisorConfig, restart_delay_s
+from workers.api.types import LoadReport
+from workers.fleet.supervisor import LocalSupervisor, PoolLaunch, SupervisorConfig, restart_delay_s
 
 
 class FakeClient:

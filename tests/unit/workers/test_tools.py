@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from workers.tools import ToolPlan, ToolStream, parse_calls, template_family
+from workers.server.tools import ToolPlan, ToolStream, parse_calls, template_family
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 QWEN = f"Let me check.<tool_call>\n{CALL}\n</tool_call>"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from workers.model_config import ModelConfig
+from workers.models.model_config import ModelConfig
 from workers.tp.plan import ShardingError, check_shardable, local_config, make_plan
 
 

@@ -1,7 +1,7 @@
 """The step message rank 0 sends: the other ranks rebuild exactly the batch's tokens."""
 
-from workers.request import Request
-from workers.sampling_params import SamplingParams
+from workers.engine.request import Request
+from workers.engine.sampling_params import SamplingParams
 from workers.tp.runner import decode_step, encode_step
 
 

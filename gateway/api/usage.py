@@ -1,0 +1,184 @@
+"""Usage over HTTP: `GET /v1/usage` (the calling tenant's own) and `GET /admin/usage` (every
+tenant, JSON or CSV), both with `start`, `end` and `group_by`, plus the current windows.
+
+`start`/`end`: unix seconds or ISO 8601 (a date is midnight UTC); default the last 7 days.
+`group_by`: model | day | hour | key (default day). The range is widened to whole buckets
+(hours, or days once it reaches past the hourly retention) and the answer says which.
+"""
+
+import csv
+import io
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from litestar import Request, Response, get
+
+from gateway.api.admin import _require_admin
+from gateway.gateway import Gateway
+from gateway.serving.intake import authenticate_key
+from quota.errors import QuotaUnavailable
+from quota.limiter import REDIS_DOWN
+from quota.usage import DAY_S, GROUPS, UsageRange, UsageReader, choose_range
+from workers.api.types import ApiError
+
+DEFAULT_RANGE_S = 7 * DAY_S
+MAX_RANGE_S = 400 * DAY_S
+MAX_RECENT = 200
+CSV_COLUMNS = (
+    "requests",
+    "errors",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "total_tokens",
+    "mean_latency_ms",
+)
+
+
+def parse_time(raw: str | None, param: str) -> float | None:
+    """Unix seconds or ISO 8601 (naive = UTC); 400 otherwise."""
+    if raw is None or raw == "":
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        pass
+    try:
+        parsed = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    except ValueError:
+        raise ApiError(
+            400, f"{param} must be unix seconds or an ISO 8601 date/time", param=param
+        ) from None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=UTC)
+    return parsed.timestamp()
+
+
+def usage_range(request: Request, reader: UsageReader) -> tuple[UsageRange, str]:
+    """The query's buckets and grouping; 400 for a bad parameter."""
+    params = request.query_params
+    group_by = params.get("group_by") or "day"
+    if group_by not in GROUPS:
+        raise ApiError(400, f"group_by must be one of {', '.join(GROUPS)}", param="group_by")
+    now = time.time()
+    end = parse_time(params.get("end"), "end")
+    end = now if end is None else end
+    start = parse_time(params.get("start"), "start")
+    start = end - DEFAULT_RANGE_S if start is None else start
+    if end <= start:
+        raise ApiError(400, "end must be after start", param="end")
+    if end - start > MAX_RANGE_S:
+        raise ApiError(
+            400, f"the range may span at most {MAX_RANGE_S // DAY_S} days", param="start"
+        )
+    if group_by == "hour" and end - start > reader.config.hour_retention_s + DAY_S:
+        raise ApiError(
+            400,
+            "group_by=hour reaches back at most the hourly retention "
+            f"({reader.config.hour_retention_s // 3600} h); use group_by=day",
+            param="group_by",
+        )
+    return choose_range(start, end, group_by, now, reader.config), group_by
+
+
+def _recent_limit(request: Request, default: int) -> int:
+    raw = request.query_params.get("recent")
+    if raw is None:
+        return default
+    if not raw.isdigit() or int(raw) > MAX_RECENT:
+        raise ApiError(400, f"recent must be an integer in 0..{MAX_RECENT}", param="recent")
+    return int(raw)
+
+
+def _period(rng: UsageRange, group_by: str) -> dict[str, Any]:
+    return {
+        "start": rng.start_s,
+        "end": rng.end_s,
+        "granularity": rng.granularity,
+        "group_by": group_by,
+    }
+
+
+def to_csv(rows: list[dict], group_by: str) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(("tenant_id", group_by, *CSV_COLUMNS))
+    for row in rows:
+        writer.writerow(
+            (
+                row["tenant_id"],
+                row[group_by],
+                *("" if row[c] is None else row[c] for c in CSV_COLUMNS),
+            )
+        )
+    return out.getvalue()
+
+
+def usage_routes(gw: Gateway) -> list:
+    reader = gw.usage
+
+    def need_reader() -> UsageReader:
+        if reader is None:
+            raise ApiError(404, "this gateway keeps no usage history", code="usage_not_enabled")
+        return reader
+
+    @get("/v1/usage")
+    async def tenant_usage(request: Request) -> dict[str, Any]:
+        _, tenant = await authenticate_key(gw, request)
+        r = need_reader()
+        rng, group_by = usage_range(request, r)
+        recent = _recent_limit(request, 20)
+        try:
+            rows = await r.query(tenant.tenant_id, rng, group_by)
+            lines = await r.recent(tenant.tenant_id, recent) if recent else []
+        except REDIS_DOWN as exc:
+            raise QuotaUnavailable(1.0) from exc
+        current = await gw.limiter.usage(tenant.tenant_id)
+        return {
+            "tenant_id": tenant.tenant_id,
+            **current,  # the current windows, as before
+            "limits": vars(tenant.limits),
+            **_period(rng, group_by),
+            "data": rows,
+            "recent": lines,
+        }
+
+    @get("/admin/usage")
+    async def admin_usage(request: Request) -> Any:
+        _require_admin(gw, request)
+        r = need_reader()
+        rng, group_by = usage_range(request, r)
+        fmt = request.query_params.get("format") or "json"
+        if fmt not in ("json", "csv"):
+            raise ApiError(400, "format must be json or csv", param="format")
+        wanted = request.query_params.get("tenant")
+        tenants = await gw.store.list_tenants()
+        if wanted:
+            tenants = [t for t in tenants if t.tenant_id == wanted]
+            if not tenants:
+                raise ApiError(404, f"unknown tenant {wanted!r}", param="tenant", code="not_found")
+        recent = _recent_limit(request, 0)
+        rows: list[dict] = []
+        current: dict[str, Any] = {}
+        recents: dict[str, list] = {}
+        try:
+            for t in tenants:
+                rows.extend(await r.query(t.tenant_id, rng, group_by))
+                if recent:
+                    recents[t.tenant_id] = await r.recent(t.tenant_id, recent)
+        except REDIS_DOWN as exc:
+            raise QuotaUnavailable(1.0) from exc
+        if fmt == "csv":
+            return Response(content=to_csv(rows, group_by), media_type="text/csv")
+        for t in tenants:
+            current[t.tenant_id] = {
+                **(await gw.limiter.usage(t.tenant_id)),
+                "limits": vars(t.limits),
+            }
+        doc = {**_period(rng, group_by), "data": rows, "current": current}
+        if recent:
+            doc["recent"] = recents
+        return doc
+
+    return [tenant_usage, admin_usage]

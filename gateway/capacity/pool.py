@@ -1,0 +1,245 @@
+"""A pool of worker replicas: membership, load polling, and the pool's admission queue."""
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Collection
+
+from gateway.capacity.admission import AdmissionController, FairQueue, QueueConfig
+from gateway.capacity.balancer import WorkerView, choose_worker, has_room
+from workers.api.client import WorkerClient
+
+log = logging.getLogger(__name__)
+
+
+_LOST_STATES = ("unreachable", "stalled")  # a request waiting on such a worker retries
+
+
+class Pool:
+    """Replicas serving one model name; requests wait in its fair queue for room."""
+
+    def __init__(
+        self,
+        name: str,
+        urls: list[str],
+        client: WorkerClient,
+        queue_config: QueueConfig,
+        max_inflight_per_worker: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.name = name
+        self.client = client
+        self.max_inflight_per_worker = max_inflight_per_worker
+        self.views: dict[str, WorkerView] = {}
+        for u in urls:
+            self.add_member(u)
+        self.queue_config = queue_config
+        self.queue = FairQueue(queue_config, clock)
+        self.clock = clock
+        self._finished: deque[float] = deque(maxlen=512)  # when requests finished, for rates
+        self._arrivals: deque[float] = deque(maxlen=4096)  # when requests were offered
+        self._service: deque[tuple[float, float]] = deque(maxlen=512)  # (finished, held s)
+        self._ttfts: deque[tuple[float, float]] = deque(maxlen=512)  # (when, TTFT s)
+        self._tokens: deque[tuple[float, int]] = deque(maxlen=4096)  # (settled, tokens out)
+        self.controller = AdmissionController(self.queue, self.has_room, clock, self.slots)
+        self._reported: dict[str, str] = {}
+        self._lost: dict[str, asyncio.Future[None]] = {}
+
+    def add_member(self, url: str) -> None:
+        """A replica joins (a supervisor started it): `loading` until its /load says ready."""
+        url = url.rstrip("/")
+        if url not in self.views:
+            self.views[url] = WorkerView(
+                url=url,
+                state="loading",
+                num_running=0,
+                num_waiting=0,
+                kv_free_tokens=0,
+                kv_total_tokens=0,
+                inflight=0,
+                max_inflight=self.max_inflight_per_worker,
+            )
+
+    def remove_member(self, url: str, lost: bool = False) -> None:
+        """A replica leaves the rotation. `lost`: it died; requests waiting on its answer
+        stop waiting (their leases still hold the view and give its slot back)."""
+        url = url.rstrip("/")
+        if lost:
+            self.mark_unreachable(url)
+        if self.views.pop(url, None) is not None:
+            log.info("pool %s: worker %s left", self.name, url)
+        self._reported.pop(url, None)
+        self._lost.pop(url, None)
+
+    def record_arrival(self) -> None:
+        """A request was offered to the pool (queued or refused): the arrival rate."""
+        self._arrivals.append(self.clock())
+
+    def rates(self, window_s: float = 10.0) -> tuple[float, float | None]:
+        """(arrivals per second over the last `window_s`, mean seconds a served request held
+        a worker slot). The mean is over the window's completions, else the last 32 (a
+        quiet pool keeps its service time); None until a request was served."""
+        now = self.clock()
+        arrivals = sum(1 for t in self._arrivals if now - t <= window_s)
+        held = [s for t, s in self._service if now - t <= window_s]
+        held = held or [s for _, s in list(self._service)[-32:]]
+        return arrivals / window_s, (sum(held) / len(held) if held else None)
+
+    def record_ttft(self, seconds: float) -> None:
+        """A stream's first token reached its client `seconds` after arrival."""
+        self._ttfts.append((self.clock(), seconds))
+
+    def ttft_quantile_s(self, q: float, window_s: float = 60.0) -> float | None:
+        """The `q` quantile (0..1) of streams' TTFT over the last `window_s`; None: none."""
+        now = self.clock()
+        recent = sorted(s for t, s in self._ttfts if now - t <= window_s)
+        return recent[min(len(recent) - 1, int(q * len(recent)))] if recent else None
+
+    def record_tokens(self, num_tokens: int) -> None:
+        """A settled request's completion tokens, for the pool's tokens per second."""
+        self._tokens.append((self.clock(), num_tokens))
+
+    def tokens_per_s(self, window_s: float = 10.0) -> float:
+        """Completion tokens of requests settled in the last `window_s`, per second."""
+        now = self.clock()
+        return sum(n for t, n in self._tokens if now - t <= window_s) / window_s
+
+    def ttft_p90_s(self, window_s: float = 10.0) -> float | None:
+        """The 90th percentile of streams' time to first token over the last `window_s`
+        (arrival to first token, queue included); None without a stream in the window."""
+        now = self.clock()
+        recent = sorted(s for t, s in self._ttfts if now - t <= window_s)
+        if not recent:
+            return None
+        return recent[min(len(recent) - 1, int(0.9 * len(recent)))]
+
+    def has_room(self) -> bool:
+        return any(has_room(v) for v in self.views.values())
+
+    def slots(self) -> tuple[int, int]:
+        """(free, total) in-flight slots of this gateway on the ready workers."""
+        free = total = 0
+        for v in self.views.values():
+            if v.state == "ready":
+                total += v.max_inflight
+                free += max(0, v.max_inflight - v.inflight)
+        return free, total
+
+    def choose(self, affinity: bytes | None, exclude: set[str]) -> WorkerView | None:
+        return choose_worker(list(self.views.values()), affinity, exclude)
+
+    # Slots and completions are the Lease's (gateway/capacity/lease.py) to claim and record; nothing
+    # else in the gateway touches a worker's in-flight count.
+
+    def claim_slot(self, affinity: bytes | None, exclude: Collection[str]) -> WorkerView | None:
+        """Count one request in flight on the best worker not in `exclude`; None: no room."""
+        view = self.choose(affinity, set(exclude))
+        if view is not None:
+            view.inflight += 1
+        return view
+
+    def free_slot(self, view: WorkerView) -> None:
+        view.inflight = max(view.inflight - 1, 0)
+
+    def record_completion(self, held_s: float | None = None) -> None:
+        """A request was served (holding a slot `held_s`): the completion rate behind
+        `estimated_wait_s`, and the service time the autoscaler reads."""
+        now = self.clock()
+        self._finished.append(now)
+        if held_s is not None:
+            self._service.append((now, held_s))
+
+    def lost(self, url: str) -> "asyncio.Future[None]":
+        """Done while the worker at `url` is unreachable or stalled: requests waiting on it
+        for an answer stop waiting (none of the answer reached the client) and retry. A
+        future, not an Event, so a request waits on it beside its send without a task."""
+        lost = self._lost.get(url)
+        if lost is None:
+            lost = self._lost[url] = asyncio.get_running_loop().create_future()
+            view = self.views.get(url)
+            if view is None or view.state in _LOST_STATES:
+                lost.set_result(None)
+        return lost
+
+    def estimated_wait_s(self, window_s: float = 10.0) -> float:
+        """Seconds a request entering the queue now would wait: the requests ahead of it
+        over the recent completion rate (0 with nothing waiting, inf with no rate yet)."""
+        waiting = len(self.queue)
+        if waiting == 0:
+            return 0.0
+        now = self.clock()
+        recent = sum(1 for t in self._finished if now - t <= window_s)
+        if recent == 0:
+            return float("inf")
+        return waiting / (recent / window_s)
+
+    def mark_unreachable(self, url: str) -> None:
+        view = self.views.get(url)
+        if view is not None:
+            self._set_state(view, "unreachable")
+
+    async def refresh(self) -> None:
+        """Poll every member's /load once; unreachable members leave the rotation."""
+        await asyncio.gather(*(self._refresh_one(v) for v in self.views.values()))
+        self.controller.kick()
+
+    async def _refresh_one(self, view: WorkerView) -> None:
+        report = await self.client.load(view.url)
+        if report is None:
+            # An OpenAI-compatible server without /load (vLLM, TGI): alive = ready.
+            alive = await self.client.alive(view.url)
+            self._set_state(view, "ready" if alive else "unreachable")
+            return
+        view.num_running = report.num_running
+        view.num_waiting = report.num_waiting
+        view.kv_free_tokens = report.kv_free_tokens
+        view.kv_total_tokens = report.kv_total_tokens
+        view.max_model_len = report.max_model_len or None
+        view.vocab_size = report.vocab_size
+        self._set_state(view, report.state)
+
+    def model_limits(self) -> tuple[int | None, int | None]:
+        """(vocabulary size, context length) every reporting member accepts: the smallest
+        reported of each; None where no member reports one."""
+        vocab = [v.vocab_size for v in self.views.values() if v.vocab_size]
+        ctx = [v.max_model_len for v in self.views.values() if v.max_model_len]
+        return (min(vocab) if vocab else None, min(ctx) if ctx else None)
+
+    def _set_state(self, view: WorkerView, state: str) -> None:
+        if self.views.get(view.url) is not view:
+            return  # it left the pool while its /load was on the way
+        before = self._reported.get(view.url)
+        if before != state:
+            # A member that has not answered yet is starting, not lost: debug, not info.
+            quiet = before is None and state == "unreachable"
+            log.log(
+                logging.DEBUG if quiet else logging.INFO,
+                "pool %s: worker %s is %s",
+                self.name,
+                view.url,
+                state,
+            )
+            self._reported[view.url] = state
+        view.state = state
+        lost = self._lost.get(view.url)  # made by the first waiter (none: nobody to tell)
+        if lost is None:
+            pass
+        elif state in _LOST_STATES:
+            if not lost.done():
+                lost.set_result(None)
+        elif lost.done():
+            del self._lost[view.url]  # its waiters were told; the next ones get a new one
+
+    def snapshot(self) -> list[dict]:
+        return [
+            {
+                "url": v.url,
+                "state": v.state,
+                "inflight": v.inflight,
+                "running": v.num_running,
+                "waiting": v.num_waiting,
+                "kv_free_tokens": v.kv_free_tokens,
+            }
+            for v in self.views.values()
+        ]

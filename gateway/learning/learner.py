@@ -1,0 +1,330 @@
+"""Labels from live traffic: shadow runs, escalations and the request records feedback needs.
+
+The request path calls three hooks, each of which only decides and spawns (`gw.spawn`):
+the client never waits for anything here.
+
+- `on_plan`: an `auto` request of a tenant with `feedback` on is remembered (features,
+  the pool that serves it, its text if the tenant opted in) for `feedback_ttl_s`.
+- `on_answer`: after a non-streaming `auto` answer, a `shadow_fraction` of requests is
+  run again on the other pool. Shadow work is the first to be shed: it runs only while
+  the other pool has nothing queued and a free slot (it never waits behind real
+  requests, and it asks the worker for a lower priority than any tenant's), within the
+  operator's `shadow_tokens_per_minute` across all replicas (a Redis counter per
+  minute), and it is never charged to the tenant. The tenant's judge compares the two
+  answers and the label goes to the tenant's stream.
+- `on_escalation`: an escalated request already has both answers: the judge labels it.
+"""
+
+import logging
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter
+
+from cascade.features import RequestView, request_view
+from cascade.labels import Label, builtin_verdict, features_of
+from cascade.policy import LearningSettings, learning_for
+from gateway.capacity.admission import DeadlineExceeded, QueueFull, Ticket
+from gateway.capacity.lease import Lease, NoReplica
+from gateway.learning.label_store import LabelStore, RequestRecord
+from gateway.serving.dispatch import send_attempt
+from gateway.serving.plan import GatewayChatRequest, Plan, PublicRequest, upstream_body
+from workers.api.client import UpstreamError
+
+log = logging.getLogger(__name__)
+
+SHADOW_PRIORITY = 100  # workers admit lower numbers first and preempt higher ones first
+SHADOW_TIMEOUT_S = 60.0
+JUDGE_TIMEOUT_S = 10.0
+BUDGET_KEY = "sy:shadow:budget:"  # + the minute; INCRBY, expires after two minutes
+
+
+class LearningMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.shadow = Counter(
+            "switchyard_cascade_shadow_runs",
+            "Shadow runs by outcome (run, busy, budget, failed, stream).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.labels = Counter(
+            "switchyard_cascade_labels",
+            "Routing labels recorded, by source and verdict (ok, not_ok, unknown).",
+            ["source", "verdict"],
+            registry=registry,
+        )
+
+
+def _view_and_prompt(req: PublicRequest, max_tokens: int) -> tuple[RequestView, dict[str, Any]]:
+    if isinstance(req, GatewayChatRequest):
+        messages = [msgspec.structs.asdict(m) for m in req.messages]
+        messages = msgspec.to_builtins(messages)
+        return request_view("", messages, max_tokens), {"messages": messages}
+    prompt = req.prompt if isinstance(req.prompt, str) else ""
+    return request_view(prompt, None, max_tokens), {"prompt": prompt}
+
+
+def answer_of(body: dict) -> tuple[str, list[float], int | None]:
+    """(text, chosen-token logprobs, completion tokens) of a completion's first choice."""
+    choice = (body.get("choices") or [{}])[0]
+    text = choice.get("text") or (choice.get("message") or {}).get("content") or ""
+    lp = choice.get("logprobs") or {}
+    if "content" in lp:
+        logprobs = [t["logprob"] for t in lp["content"] or []]
+    else:
+        logprobs = [x for x in lp.get("token_logprobs") or [] if x is not None]
+    usage = body.get("usage") or {}
+    return text, logprobs, usage.get("completion_tokens")
+
+
+class Learner:
+    """The hooks above, over the label store; one per gateway process."""
+
+    def __init__(
+        self, store: LabelStore, registry: CollectorRegistry, rng: random.Random | None = None
+    ) -> None:
+        self.store = store
+        self.metrics = LearningMetrics(registry)
+        self.rng = rng or random.Random()
+
+    # -- hooks (never await on the request path) -------------------------------------
+
+    def on_plan(self, gw, plan: Plan, req: PublicRequest) -> None:  # noqa: ANN001
+        settings = self._settings(gw, plan)
+        if settings is None or not settings.feedback:
+            return
+        view, prompt = _view_and_prompt(req, plan.max_tokens)
+        record = RequestRecord(
+            request_id=plan.request_id,
+            served_pool=plan.pool,
+            small_pool=gw.router.small_pool,
+            features=features_of(view),
+            score=plan.score,
+            prompt=prompt if settings.keep_prompts else None,
+        )
+        gw.spawn(
+            self._quietly(self.store.remember(plan.tenant_id, record, settings.feedback_ttl_s))
+        )
+
+    def on_answer(self, gw, plan: Plan, req: PublicRequest, content: bytes) -> None:  # noqa: ANN001
+        settings = self._settings(gw, plan)
+        if settings is None or plan.route != "classifier" or settings.shadow_fraction <= 0:
+            return
+        if self.rng.random() >= settings.shadow_fraction:
+            return
+        if gw.router.settings.shadow_tokens_per_minute <= 0:
+            self.metrics.shadow.labels("budget").inc()
+            return
+        gw.spawn(self._quietly(self._shadow(gw, plan, req, content, settings)))
+
+    def on_escalation(self, gw, plan: Plan, req: PublicRequest, small: dict, large: dict) -> None:  # noqa: ANN001
+        settings = self._settings(gw, plan)
+        if settings is None:
+            return
+        coro = self._label_pair(
+            gw, plan, req, small, large, settings, "escalation", large_served=True
+        )
+        gw.spawn(self._quietly(coro))
+
+    # -- feedback ---------------------------------------------------------------------
+
+    async def feedback(
+        self,
+        gw,
+        tenant_id: str,
+        request_id: str,
+        ok: bool,
+        score: float | None,  # noqa: ANN001
+    ) -> bool:
+        """Record the application's verdict on its own request; False when the request is
+        unknown to this tenant (never made, another tenant's, or expired)."""
+        record = await self.store.recall(tenant_id, request_id)
+        if record is None:
+            return False
+        settings = learning_for(gw.router.settings, tenant_id) or LearningSettings()
+        small_served = record.served_pool == record.small_pool
+        label = Label(
+            tenant=tenant_id,
+            request_id=request_id,
+            source="feedback",
+            weak_ok=ok if small_served else None,
+            strong_ok=None if small_served else ok,
+            served_pool=record.served_pool,
+            features=record.features,
+            score=record.score,
+            feedback_score=score,
+            time=time.time(),
+        )
+        await self.store.add(label, settings, record.prompt)
+        self._count(label)
+        return True
+
+    # -- internals --------------------------------------------------------------------
+
+    def _settings(self, gw, plan: Plan) -> LearningSettings | None:  # noqa: ANN001
+        if gw.router is None or plan.score is None:
+            return None
+        return learning_for(gw.router.settings, plan.tenant_id)
+
+    async def _quietly(self, coro) -> None:  # noqa: ANN001
+        try:
+            await coro
+        except Exception:
+            log.exception("recording a routing label failed")
+
+    async def _take_budget(self, gw, tokens: int) -> bool:  # noqa: ANN001
+        """Charge `tokens` to the operator's shadow budget of this minute, if it has room."""
+        limit = gw.router.settings.shadow_tokens_per_minute
+        key = BUDGET_KEY + str(int(time.time() // 60))
+        async with gw.redis.pipeline(transaction=True) as pipe:
+            pipe.incrby(key, tokens)
+            pipe.expire(key, 120)
+            used, _ = await pipe.execute()
+        if used > limit:
+            await gw.redis.decrby(key, tokens)
+            return False
+        return True
+
+    async def _shadow(
+        self,
+        gw,
+        plan: Plan,
+        req: PublicRequest,
+        content: bytes,
+        settings: LearningSettings,  # noqa: ANN001
+    ) -> None:
+        router = gw.router
+        other = router.large_pool if plan.pool == router.small_pool else router.small_pool
+        pool = gw.pools[other]
+        if len(pool.queue) or not pool.has_room():
+            self.metrics.shadow.labels("busy").inc()
+            return
+        if not await self._take_budget(gw, plan.attempt_tokens):
+            self.metrics.shadow.labels("budget").inc()
+            return
+        now = time.monotonic()
+        ticket = Ticket(
+            plan.request_id + "-shadow",
+            plan.tenant_id,
+            plan.attempt_tokens,
+            now,
+            now + SHADOW_TIMEOUT_S,
+        )
+        lease = Lease(pool, ticket, plan.affinity)
+        try:
+            lease.enqueue()
+        except (QueueFull, DeadlineExceeded):
+            self.metrics.shadow.labels("busy").inc()
+            return
+        served = False
+        try:
+            if not lease.granted:  # real requests arrived first: shed, never wait
+                self.metrics.shadow.labels("busy").inc()
+                return
+            want_logprobs = other == router.small_pool
+            body = msgspec.json.decode(
+                upstream_body(req, plan, gw.cache_salt(plan.tenant_id), other, want_logprobs)
+            )
+            body["priority"] = SHADOW_PRIORITY
+            path = "/v1/chat/completions" if plan.chat else "/v1/completions"
+            try:
+                upstream = await send_attempt(
+                    gw.workers,
+                    lease,
+                    path,
+                    msgspec.json.encode(body),
+                    stream=False,
+                    attempts=1,
+                    retry_cap_s=0.0,
+                    rng=self.rng,
+                )
+            except (NoReplica, DeadlineExceeded, Exception) as exc:  # shed: a busy worker
+                log.debug("shadow run of %s not served: %r", plan.request_id, exc)
+                self.metrics.shadow.labels("failed").inc()
+                return
+            try:
+                if upstream.status_code != 200:
+                    self.metrics.shadow.labels("failed").inc()
+                    return
+                shadow_content = await upstream.aread()
+                served = True
+            finally:
+                await upstream.aclose()
+        finally:
+            lease.release(served=served)
+        self.metrics.shadow.labels("run").inc()
+        routed, shadowed = msgspec.json.decode(content), msgspec.json.decode(shadow_content)
+        small, large = (routed, shadowed) if plan.pool == router.small_pool else (shadowed, routed)
+        await self._label_pair(gw, plan, req, small, large, settings, "shadow", large_served=False)
+
+    async def _label_pair(
+        self,
+        gw,  # noqa: ANN001
+        plan: Plan,
+        req: PublicRequest,
+        small: dict,
+        large: dict,
+        settings: LearningSettings,
+        source: str,
+        large_served: bool,
+    ) -> None:
+        small_text, small_lp, small_tokens = answer_of(small)
+        large_text, _, large_tokens = answer_of(large)
+        view, prompt = _view_and_prompt(req, plan.max_tokens)
+        verdict = await self.judge(gw, settings, prompt, small_text, large_text, small_lp)
+        label = Label(
+            tenant=plan.tenant_id,
+            request_id=plan.request_id,
+            source=source,
+            weak_ok=verdict,
+            strong_ok=True,
+            served_pool=gw.router.large_pool if large_served else plan.pool,
+            features=features_of(view),
+            judge=settings.judge,
+            score=plan.score,
+            small_tokens=small_tokens,
+            large_tokens=large_tokens,
+            time=time.time(),
+        )
+        await self.store.add(label, settings, prompt)
+        if large_served and settings.feedback:
+            await self.store.served_pool(plan.tenant_id, plan.request_id, label.served_pool)
+        self._count(label)
+
+    async def judge(
+        self,
+        gw,  # noqa: ANN001
+        settings: LearningSettings,
+        prompt: dict[str, Any],
+        small_text: str,
+        large_text: str,
+        small_logprobs: Sequence[float],
+    ) -> bool | None:
+        """Was the small answer good enough? None: the judge could not tell."""
+        if settings.judge != "http":
+            return builtin_verdict(
+                settings.judge,
+                small_text,
+                large_text,
+                small_logprobs,
+                settings.judge_min_mean_logprob,
+                settings.judge_min_token_logprob,
+            )
+        try:
+            status, answer = await gw.workers.post_json(
+                settings.judge_url,
+                {**prompt, "small": small_text, "large": large_text},
+                JUDGE_TIMEOUT_S,
+            )
+            ok = answer.get("ok") if status == 200 else None
+        except (UpstreamError, AttributeError) as exc:
+            log.warning("the http judge at %s failed: %r", settings.judge_url, exc)
+            return None
+        return ok if isinstance(ok, bool) else None
+
+    def _count(self, label: Label) -> None:
+        verdict = {None: "unknown", True: "ok", False: "not_ok"}[label.weak_ok]
+        self.metrics.labels.labels(label.source, verdict).inc()

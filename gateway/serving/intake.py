@@ -1,0 +1,254 @@
+"""From an HTTP request to a `Plan`: authenticate the key, decode the body once, then
+route, count and bound it with the pure functions of `gateway.serving.plan`."""
+
+import asyncio
+import hashlib
+import logging
+import time
+import uuid
+
+import msgspec
+from litestar import Request
+
+from cascade.policy import escalation_for
+from gateway.config import GatewayConfig
+from gateway.gateway import Gateway
+from gateway.serving.plan import (
+    GatewayChatRequest,
+    GatewayCompletionRequest,
+    Plan,
+    PublicRequest,
+    affinity_of,
+    check_context,
+    client_logprobs,
+    is_structured,
+    max_tokens_of,
+    timeout_of,
+)
+from quota.limiter import RateLimitState
+from quota.models import Tenant, TenantLimits
+from workers.api.types import ApiError, decode_request
+from workers.api.validation import check_json_depth, check_request
+
+log = logging.getLogger(__name__)
+
+
+def ratelimit_headers(state: RateLimitState | None) -> dict[str, str]:
+    if state is None:
+        return {}
+    out = {}
+    for kind in ("tokens", "requests"):
+        limit = getattr(state, f"limit_{kind}")
+        if limit is None:
+            continue
+        out[f"x-ratelimit-limit-{kind}"] = str(limit)
+        out[f"x-ratelimit-remaining-{kind}"] = str(getattr(state, f"remaining_{kind}"))
+        reset = getattr(state, f"reset_{kind}_s")
+        out[f"x-ratelimit-reset-{kind}"] = f"{reset:.3f}s" if reset is not None else "0s"
+    return out
+
+
+async def authenticate(gw: Gateway, request: Request) -> Tenant:
+    return (await authenticate_key(gw, request))[1]
+
+
+async def authenticate_key(gw: Gateway, request: Request) -> tuple[str | None, Tenant]:
+    """The caller's key id and tenant (see `authenticate_caller`)."""
+    key_id, tenant, _ = await authenticate_caller(gw, request)
+    return key_id, tenant
+
+
+async def authenticate_caller(
+    gw: Gateway, request: Request
+) -> tuple[str | None, Tenant, TenantLimits | None]:
+    """The caller's key id, tenant and the key's own limits. A key that authenticated in
+    the last `key_cache_ttl_s` is taken as it was then (no Redis round trip); so revoking a
+    key, or changing limits, applies within that. While Redis is unreachable,
+    only a key that authenticated in the last `known_key_ttl_s` is accepted (as it was
+    then): never an unknown key."""
+    header = request.headers.get("authorization", "")
+    if not header.lower().startswith("bearer "):
+        raise ApiError(
+            401, "missing API key: send `Authorization: Bearer <key>`", code="invalid_api_key"
+        )
+    plaintext = header[7:].strip()
+    digest = hashlib.blake2b(plaintext.encode(), digest_size=16).digest()
+    cached = gw.known_keys.get(digest)
+    if (
+        cached is not None
+        and cached[1] > gw.keys_changed_at
+        and time.monotonic() - cached[1] < gw.config.key_cache_ttl_s
+    ):
+        return cached[0]  # authenticated against Redis within the last key_cache_ttl_s
+    # Every request of a busy key misses at once when its entry ages: one lookup, in a
+    # task of its own (a caller that leaves does not cancel it for the others).
+    lookup = gw.key_lookups.get(digest)
+    if lookup is None:
+        lookup = asyncio.ensure_future(_look_up_key(gw, plaintext, digest, cached))
+        gw.key_lookups[digest] = lookup
+
+        def looked_up(task: asyncio.Future) -> None:
+            gw.key_lookups.pop(digest, None)
+            if not task.cancelled():
+                task.exception()  # retrieved, even if every caller left
+
+        lookup.add_done_callback(looked_up)
+    return await asyncio.shield(lookup)
+
+
+async def _look_up_key(
+    gw: Gateway, plaintext: str, digest: bytes, cached: tuple | None
+) -> tuple[str | None, Tenant, TenantLimits | None]:
+    """The key's caller from Redis (and into the cache); see `authenticate_caller`."""
+    t0 = time.perf_counter()
+    try:
+        found = await gw.store.authenticate(plaintext)
+        if gw.metrics is not None:
+            gw.metrics.redis_latency.labels("auth").observe(time.perf_counter() - t0)
+    except Exception as exc:
+        if gw.metrics is not None:
+            gw.metrics.redis_errors.labels("auth").inc()
+        if cached is not None and time.monotonic() - cached[1] < gw.config.known_key_ttl_s:
+            return cached[0]  # (key id, tenant, key limits) as last seen
+        log.warning("key lookup failed and the key is not known: %r", exc)
+        raise ApiError(
+            503,
+            "authentication unavailable",
+            type="server_error",
+            code="auth_unavailable",
+            retry_after_s=1.0 + gw.rng.random(),
+        ) from exc
+    if found is None:
+        gw.known_keys.pop(digest, None)
+        raise ApiError(401, "invalid API key", code="invalid_api_key")
+    if len(gw.known_keys) > 100_000:
+        gw.known_keys.clear()
+    caller = (found[0].key_id, found[1], found[0].limits)
+    gw.known_keys[digest] = (caller, time.monotonic())
+    return caller
+
+
+def key_quota_holder(tenant: Tenant, key_id: str, limits: TenantLimits) -> Tenant:
+    """A key's own limits as a quota holder of their own: its windows, slots and pending
+    records live under `sy:{key.<key_id>}`, apart from its tenant's."""
+    return Tenant(
+        tenant_id=f"key.{key_id}",
+        name=f"key {key_id} of {tenant.tenant_id}",
+        limits=limits,
+        allowed_models=[],
+        allow_overflow=True,
+        created_at=0.0,
+    )
+
+
+def decode(raw: bytes, chat: bool, cfg: GatewayConfig) -> PublicRequest:
+    """The body as a typed request, or a 4xx naming what is wrong: size first, then nesting
+    depth (before any parser recurses), then types, then bounds that need no model."""
+    if len(raw) > cfg.max_body_bytes:
+        raise ApiError(
+            413, f"request body over {cfg.max_body_bytes} bytes", code="request_too_large"
+        )
+    check_json_depth(raw, cfg.request_limits.max_json_depth)
+    req = decode_request(raw, GatewayChatRequest if chat else GatewayCompletionRequest)
+    check_request(req, cfg.request_limits, vocab_size=None, max_model_len=None)
+    if req.switchyard_threshold is not None and not 0 <= req.switchyard_threshold <= 1:
+        raise ApiError(
+            400, "switchyard_threshold must be between 0 and 1", param="switchyard_threshold"
+        )
+    return req
+
+
+def prepare(
+    gw: Gateway,
+    tenant: Tenant,
+    key_id: str | None,
+    req: PublicRequest,
+    chat: bool,
+    timeout_header: str | None,
+) -> Plan:
+    """Route, count, bound and price a decoded request (pure decisions, fed by the
+    tokenizers, the router and the pools' reported limits)."""
+    cfg = gw.config
+    timeout_s = timeout_of(timeout_header, cfg.request_timeout_s)
+    max_tokens = max_tokens_of(req, cfg.default_max_tokens, cfg.max_tokens_cap)
+    pool, route, decision = req.model, "forced", None
+    if req.model == "auto":
+        if gw.router is not None:
+            decision = _decide(gw, tenant, key_id, req, max_tokens)
+            pool, route = decision.pool, decision.route
+        elif cfg.default_pool is not None:
+            pool, route = cfg.default_pool, "fallback"
+        else:
+            raise ApiError(
+                404,
+                "model `auto` is not configured on this gateway",
+                param="model",
+                code="model_not_found",
+            )
+    if pool not in gw.pools:
+        raise ApiError(
+            404,
+            f"unknown model {req.model!r}; try one of {sorted(gw.pools)}",
+            param="model",
+            code="model_not_found",
+        )
+    if tenant.allowed_models and pool not in tenant.allowed_models:
+        raise ApiError(
+            403,
+            f"model {pool!r} is not allowed for this key",
+            param="model",
+            code="model_not_allowed",
+        )
+    vocab_size, model_len = gw.pools[pool].model_limits()
+    check_request(req, cfg.request_limits, vocab_size=vocab_size, max_model_len=model_len)
+    if isinstance(req, GatewayChatRequest):
+        prompt_tokens = gw.counter.chat(pool, req.messages, req.tools, req.tool_choice)
+    else:
+        prompt_tokens = gw.counter.completion(pool, req.prompt)
+    check_context(prompt_tokens, max_tokens, tenant.limits.max_context, model_len)
+    escalation = None
+    if decision is not None and decision.route == "classifier" and pool == gw.router.small_pool:
+        chosen = escalation_for(gw.router.settings, tenant.tenant_id)
+        if chosen.enabled and not req.stream:
+            escalation = chosen
+    return Plan(
+        request_id=f"gw-{uuid.uuid4().hex}",
+        tenant_id=tenant.tenant_id,
+        pool=pool,
+        route=route,
+        chat=chat,
+        stream=req.stream,
+        wants_usage=bool(req.stream_options and req.stream_options.include_usage),
+        client_logprobs=client_logprobs(req),
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        deadline=time.monotonic() + timeout_s,
+        affinity=affinity_of(req),
+        score=decision.score if decision else None,
+        threshold=decision.threshold if decision else None,
+        escalation=escalation,
+        n=req.n,
+        structured=is_structured(req),
+    )
+
+
+def _decide(gw: Gateway, tenant: Tenant, key_id: str | None, req: PublicRequest, max_tokens: int):
+    """The cascade's choice for an `auto` request, with the large pool's pressure."""
+    router = gw.router
+    large = gw.pools[router.large_pool]
+    if isinstance(req, GatewayChatRequest):
+        messages, prompt = [msgspec.structs.asdict(m) for m in req.messages], ""
+    else:
+        messages, prompt = None, req.prompt if isinstance(req.prompt, str) else ""
+    return router.decide(
+        tenant.tenant_id,
+        tenant.allow_overflow,
+        prompt,
+        messages,
+        max_tokens,
+        large.estimated_wait_s(),
+        len(large.queue) >= large.queue_config.max_requests,
+        request_threshold=req.switchyard_threshold,
+        structured=is_structured(req),
+        key_threshold=router.settings.key_thresholds.get(key_id) if key_id else None,
+    )

@@ -1,0 +1,143 @@
+"""Relaying a worker's SSE stream to the client as bytes.
+
+Events are forwarded as received (never re-encoded), several per write when the worker
+sent several at once. Only the events that carry usage or an error are decoded, through
+the wire contract (`workers.api.types.StreamChunk`): the usage chunk is noted (and dropped
+unless the client asked for it), and an error event ends the relay after forwarding it.
+Every other event is an output chunk, recognised by its bytes, and counts one token (the
+worker's contract: one chunk per token) for the charge of a stream that is cut short.
+After `[DONE]` the rest of the upstream body is drained so its keep-alive connection is
+reused.
+
+Recognising by bytes is sound because JSON escapes every quote inside a string: the key
+`"usage"` (quote, usage, quote) or `"choices"` cannot occur inside any text a model
+wrote, only as the chunk's own keys, however the JSON is spaced.
+"""
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from gateway.serving.flight import Attempt
+from gateway.serving.plan import note_usage
+from workers.api.client import UpstreamError, UpstreamResponse
+from workers.api.types import parse_chunk
+
+DONE = b"data: [DONE]\n\n"
+_DECODE_IF = (b'"usage"', b'"error"')  # the only events whose content the relay reads
+_OUTPUT_CHUNK = b'"choices"'  # without usage: an output chunk (the worker sends no other)
+
+
+class StreamTimeout(Exception):
+    """The worker sent nothing for `idle_s` (`deadline` False), or the request's deadline
+    passed mid-stream (`deadline` True)."""
+
+    def __init__(self, message: str, deadline: bool) -> None:
+        super().__init__(message)
+        self.deadline = deadline
+
+
+class StreamAborted(Exception):
+    """The gateway cut the stream (its flight was aborted: shutdown)."""
+
+
+async def _next(
+    it: AsyncIterator[bytes], attempt: Attempt, deadline: float, idle_s: float
+) -> bytes | None:
+    """The upstream body's next raw piece (None at its end), awaited within the idle bound
+    and the deadline. The pending read is on `attempt.reading`, so an abort can cancel it."""
+    left_s = deadline - time.monotonic()
+    wait_s = min(idle_s, left_s)
+    if wait_s <= 0:
+        raise StreamTimeout("the request's deadline passed mid-stream", deadline=True)
+    read = asyncio.ensure_future(anext(it))
+    attempt.reading = read
+    try:
+        done, _ = await asyncio.wait({read}, timeout=wait_s)
+    finally:
+        attempt.reading = None
+        if not read.done():
+            read.cancel()
+    if not done:
+        if left_s <= idle_s:
+            raise StreamTimeout("the request's deadline passed mid-stream", deadline=True)
+        raise StreamTimeout(f"the worker sent nothing for {wait_s:.1f} s", deadline=False)
+    if read.cancelled():
+        raise StreamAborted("the stream was cut by the gateway")
+    try:
+        return read.result()
+    except StopAsyncIteration:
+        return None
+
+
+async def relay(
+    upstream: UpstreamResponse,
+    attempt: Attempt,
+    client_wants_usage: bool,
+    deadline: float,
+    idle_s: float,
+) -> AsyncIterator[bytes]:
+    """Forward the upstream's SSE events, noting usage and progress in `attempt.served`.
+
+    Ends after `[DONE]` or an error event. Raises UpstreamError when the worker dies
+    mid-stream, StreamTimeout when it goes silent or the deadline passes, StreamAborted when
+    the gateway cuts it; the caller
+    reports those in-band.
+    """
+    served = attempt.served
+    buffer = b""
+    it = upstream.aiter_raw()
+    while (piece := await _next(it, attempt, deadline, idle_s)) is not None:
+        buffer += piece
+        if b"\n\n" not in buffer:
+            continue
+        *events, buffer = buffer.split(b"\n\n")
+        out: list[bytes] = []
+        finished = False
+        for event in events:
+            event = event.strip(b"\r\n")
+            if not event:
+                continue
+            if event.startswith(b":"):
+                out.append(event + b"\n\n")  # the worker's heartbeat
+                continue
+            if not event.startswith(b"data:"):
+                continue
+            data = event[5:].strip()
+            if data == b"[DONE]":
+                out.append(DONE)
+                finished = True
+                break
+            if _DECODE_IF[0] not in data and _DECODE_IF[1] not in data:
+                if _OUTPUT_CHUNK in data:
+                    served.tokens_relayed += 1
+                out.append(b"data: " + data + b"\n\n")
+                continue
+            chunk = parse_chunk(data)
+            if chunk is not None:
+                if chunk.usage is not None:
+                    note_usage(served, chunk.usage)
+                    if not chunk.choices and not client_wants_usage:
+                        continue
+                elif chunk.choices:
+                    served.tokens_relayed += 1
+                if chunk.error is not None:
+                    out.append(b"data: " + data + b"\n\n" + DONE)
+                    finished = True
+                    break
+            out.append(b"data: " + data + b"\n\n")
+        if out:
+            yield b"".join(out)
+        if finished:
+            await _drain(it)
+            return
+
+
+async def _drain(it: AsyncIterator[bytes]) -> None:
+    """Read what is left (the chunked terminator) so the connection can be reused."""
+    try:
+        async with asyncio.timeout(1.0):
+            async for _ in it:
+                pass
+    except (UpstreamError, TimeoutError):
+        pass

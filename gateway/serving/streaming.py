@@ -1,0 +1,160 @@
+"""Serving a streaming request: a stream is committed (200) only when a worker accepted
+it, or after one heartbeat interval of waiting (then `: queued` comments, and whatever
+fails after that is reported in-band). Refusals before that keep their HTTP status."""
+
+import asyncio
+import logging
+import time
+
+import msgspec
+from litestar import Response
+
+from gateway.capacity.admission import DeadlineExceeded
+from gateway.errors import deadline_error, to_api_error, upstream_error
+from gateway.gateway import Gateway
+from gateway.serving.attempts import open_attempt, relayed_error
+from gateway.serving.flight import Attempt, Flight, FlightStream
+from gateway.serving.plan import charge, upstream_body
+from gateway.serving.relay import DONE, StreamAborted, StreamTimeout, relay
+from workers.api.client import UpstreamError, UpstreamResponse
+from workers.api.sse import EventStream
+from workers.api.types import ApiError, Usage
+
+log = logging.getLogger("gateway.serving.handler")
+
+
+async def stream_response(
+    gw: Gateway, flight: Flight, attempt: Attempt, headers: dict[str, str]
+) -> Response | EventStream:
+    body = upstream_body(flight.req, flight.plan, gw.cache_salt(flight.plan.tenant_id))
+    opening = asyncio.ensure_future(open_attempt(gw, flight, attempt, body, stream=True))
+    aborting = flight.aborted
+    try:
+        done, _ = await asyncio.wait(
+            {opening, aborting}, timeout=gw.config.sse_heartbeat_s, return_when="FIRST_COMPLETED"
+        )
+    except asyncio.CancelledError:
+        opening.cancel()
+        raise
+    if aborting in done and opening not in done:
+        opening.cancel()
+        raise flight.abort_error
+    sse_headers = {**headers, "cache-control": "no-cache"}
+    if not done:  # commit now: heartbeats while it waits, failures in-band
+        events = _events_after(gw, flight, attempt, opening)
+        return EventStream(FlightStream(flight, events), headers=sse_headers)
+    upstream = opening.result()  # a refusal raises: the caller answers with its status
+    if upstream.status_code != 200:
+        response = await relayed_error(upstream, headers)
+        flight.finish()
+        return response
+    events = _relay_events(gw, flight, attempt, upstream)
+    return EventStream(FlightStream(flight, events), headers=sse_headers)
+
+
+async def _events_after(gw: Gateway, flight: Flight, attempt: Attempt, opening: asyncio.Future):
+    aborting = flight.aborted
+    try:
+        while not opening.done():
+            done, _ = await asyncio.wait(
+                {opening, aborting},
+                timeout=gw.config.sse_heartbeat_s,
+                return_when="FIRST_COMPLETED",
+            )
+            if aborting in done:
+                yield _error_event(to_api_error(flight.abort_error, gw.rng), flight)
+                return
+            if not done:
+                yield b": queued\n\n"
+        try:
+            upstream = opening.result()
+        except DeadlineExceeded as exc:
+            yield _error_event(deadline_error(exc, flight.client_deadline, gw.rng), flight)
+            return
+        except Exception as exc:
+            yield _error_event(to_api_error(exc, gw.rng), flight)
+            return
+        if upstream.status_code != 200:
+            content = await upstream.aread()
+            yield _error_event(upstream_error(upstream.status_code, content), flight)
+            return
+        async for event in _relay_events(gw, flight, attempt, upstream):
+            yield event
+    finally:
+        opening.cancel()
+
+
+async def _relay_events(gw: Gateway, flight: Flight, attempt: Attempt, upstream: UpstreamResponse):
+    plan = flight.plan
+    first = True
+    pool = attempt.lease.pool.name
+    metrics = gw.metrics
+    last_at, last_tokens = 0.0, 0
+    try:
+        async for event in relay(
+            upstream,
+            attempt,
+            plan.wants_usage,
+            plan.deadline,
+            gw.config.stream_idle_timeout_s,
+        ):
+            yield event
+            tokens = attempt.served.tokens_relayed
+            if first and tokens:
+                first = False
+                last_at, last_tokens = time.monotonic(), tokens
+                attempt.lease.pool.record_ttft(last_at - flight.started_at)
+                if metrics is not None:
+                    metrics.ttft.labels(pool).observe(time.perf_counter() - flight.arrived_at)
+            elif tokens > last_tokens and metrics is not None:
+                now = time.monotonic()
+                gap = (now - last_at) / (tokens - last_tokens)
+                for _ in range(min(tokens - last_tokens, 16)):
+                    metrics.itl.labels(pool).observe(gap)
+                last_at, last_tokens = now, tokens
+    except StreamAborted:
+        err = to_api_error(flight.abort_error, gw.rng)
+        yield _usage_event(flight, attempt) + _error_event(err, flight)
+    except (UpstreamError, StreamTimeout) as exc:
+        url = attempt.lease.worker.url if attempt.lease.worker else "?"
+        log.warning("stream of %s from %s ended early: %r", plan.request_id, url, exc)
+        if isinstance(exc, StreamTimeout) and exc.deadline and flight.client_deadline:
+            err = ApiError(
+                408, "the request's x-request-timeout passed mid-stream", code="request_timeout"
+            )
+        elif isinstance(exc, StreamTimeout):
+            err = ApiError(504, str(exc), type="server_error", code="timeout")
+        else:
+            err = ApiError(
+                502,
+                "the model server failed mid-stream",
+                type="server_error",
+                code="upstream_failed",
+            )
+        yield _usage_event(flight, attempt) + _error_event(err, flight)
+
+
+def _usage_event(flight: Flight, attempt: Attempt) -> bytes:
+    """For a client that asked for usage, on a stream cut short: what it is charged."""
+    plan, served = flight.plan, attempt.served
+    if not plan.wants_usage or served.usage_completion_tokens is not None:
+        return b""
+    completion = charge(plan, served) - plan.prompt_tokens if served.accepted else 0
+    prompt = plan.prompt_tokens if served.accepted else 0
+    usage = Usage(prompt, completion, prompt + completion)
+    chunk = {
+        "id": plan.request_id,
+        "object": "chat.completion.chunk" if plan.chat else "text_completion",
+        "created": int(time.time()),
+        "model": plan.pool,
+        "choices": [],
+        "usage": usage,
+    }
+    return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+
+
+def _error_event(err: ApiError, flight: Flight | None = None) -> bytes:
+    """An in-band error (then [DONE]); it is the status `flight` is recorded with."""
+    if flight is not None:
+        flight.status = err.status
+    return b"data: " + msgspec.json.encode(err.body()) + b"\n\n" + DONE

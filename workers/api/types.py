@@ -1,0 +1,256 @@
+"""The worker's wire types: requests, reports, errors, and their decoders.
+
+msgspec Structs and pure functions only (no Litestar, aiohttp or torch), shared by the
+worker, the gateway and the fake backends. Decoding a request body with `decode_request`
+gives a typed object or an `ApiError` naming the offending field.
+"""
+
+import re
+from typing import Any, Literal
+
+import msgspec
+
+WorkerState = Literal["loading", "ready", "draining", "stalled"]
+
+
+class ApiError(Exception):
+    """An OpenAI-shaped error: HTTP status, message, type, param, code, Retry-After."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class StreamOptions(msgspec.Struct, omit_defaults=True):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str = "response"
+    description: str | None = None
+    schema: dict[str, Any] | None = None  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """`response_format`: plain text, any JSON object, or JSON matching a schema. The
+    worker enforces the JSON kinds by constrained decoding."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by completions and chat completions (OpenAI plus worker extras)."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # Worker extras (DESIGN.md 3.2).
+    priority: int = 0
+    cache_salt: str | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    stop_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    prompt: str | list[int | str]  # text, token ids, or a one-element list of text
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as generated
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a `tool` message: the call it answers
+
+
+class FunctionDef(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class LoadReport(msgspec.Struct):
+    """`GET /load`: what the gateway routes on. Token counts in tokens."""
+
+    state: WorkerState
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_free_tokens: int
+    kv_total_tokens: int
+    queued_prompt_tokens: int
+    output_tokens_per_s: float  # over the last few seconds
+    model: str
+    max_model_len: int
+    vocab_size: int | None = None  # token ids must be below it; None: unknown (external server)
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str = "server_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(msgspec.Struct):
+    """Every error body, worker and gateway: `{"error": {...}}` (OpenAI shape)."""
+
+    error: ErrorInfo
+
+
+class StreamChunk(msgspec.Struct, kw_only=True):
+    """One SSE `data:` event of a streaming response, as far as a relay reads it.
+
+    The worker sends one chunk with choices per engine step that produced output (one
+    token), then, when `stream_options.include_usage` is set, a last chunk with no choices
+    and the usage; an error after the first token is an event with `error` instead.
+    `choices` stay raw: a relay forwards the bytes it received and never re-encodes them.
+    """
+
+    choices: list[msgspec.Raw] = []
+    usage: Usage | None = None
+    error: ErrorInfo | None = None
+
+
+class ResponseSummary(msgspec.Struct, kw_only=True):
+    """A non-streaming completion body, as far as the gateway reads it (usage only)."""
+
+    usage: Usage | None = None
+
+
+_CHUNK_DECODER = msgspec.json.Decoder(StreamChunk)
+_SUMMARY_DECODER = msgspec.json.Decoder(ResponseSummary)
+_ERROR_DECODER = msgspec.json.Decoder(ErrorBody)
+
+
+def parse_chunk(data: bytes) -> StreamChunk | None:
+    """The chunk in an SSE `data:` payload (without the prefix); None when it is not one."""
+    try:
+        return _CHUNK_DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def parse_summary(body: bytes) -> ResponseSummary | None:
+    """The usage of a non-streaming response body; None when the body is not one."""
+    try:
+        return _SUMMARY_DECODER.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def parse_error(body: bytes) -> ErrorInfo | None:
+    """The error of an OpenAI-shaped error body; None when the body is not one."""
+    try:
+        return _ERROR_DECODER.decode(body).error
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+_PATH = re.compile(r"at `\$\.?([A-Za-z_][\w]*)")
+_MISSING = re.compile(r"missing required field `(\w+)`")
+
+
+def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """Decode and type-check a JSON body; ApiError(400) naming the bad field."""
+    if not body:
+        raise ApiError(400, "the request body is empty; expected a JSON object")
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        match = _PATH.search(str(exc)) or _MISSING.search(str(exc))
+        raise ApiError(400, str(exc), param=match.group(1) if match else None) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None

@@ -1,0 +1,77 @@
+"""Engine configuration: one dataclass, defaults here, filled from YAML by entry points."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SchedulerConfig:
+    """Batch shape and fairness of the continuous-batching scheduler."""
+
+    max_num_seqs: int = 128  # requests resident in one batch
+    max_num_batched_tokens: int = 2048  # tokens computed per step (decodes + prefill chunks)
+    max_prefill_chunk: int | None = None  # per-request prefill cap per step; None = the budget
+    # A chunked prefill token that attends over L tokens already in the cache costs
+    # 1 + L / this of the step's budget, so chunks after long context shrink and a step's
+    # time (hence every decode's gap) stays bounded: the context length at which a token's
+    # attention takes as long as its linear layers. None = half the length at which their
+    # multiply-adds are equal (`ModelConfig.attention_parity_context`), because attention
+    # over a chunk's few queries runs at about half the linear layers' rate (CPU, bench
+    # model, a least-squares fit over 342 chunk steps: a chunk token after L tokens of
+    # context cost 1 + L / 1,580 tokens' time once the context's gather was counted apart,
+    # against 1 + L / 2,880 by multiply-adds). 0 = tokens only.
+    attention_parity_context: int | None = None
+    enable_chunked_prefill: bool = True  # False: a prompt is prefilled in one step or waits
+    aging_steps: int = 64  # a waiting request gains one priority level per this many steps
+
+
+DECODE_GRAPH_MODES = ("auto", "off", "eager")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs besides the checkpoint directory."""
+
+    dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # fixed KV pool size; None = planned as below
+    # The planned KV pool is the smallest of: `kv_cache_gib`, `kv_memory_fraction` of the
+    # memory free after the weights, and what max_num_seqs x max_model_len could ever use.
+    kv_cache_gib: float | None = 0.5  # absolute KV budget; None = no absolute cap
+    kv_memory_fraction: float = 0.5  # of the memory left after weights, given to KV
+    max_model_len: int | None = None  # cap on prompt + output; None = the checkpoint's
+    enable_prefix_caching: bool = True
+    # Decoding sequences whose context fits in this many tokens also keep their KV in
+    # contiguous rows, allocated at start-up (max_num_seqs x this many tokens): more
+    # memory, far less bandwidth per decode step on CPUs. 0 = gather blocks every step.
+    decode_workspace_tokens: int = 1024
+    # Cap on the workspace: rows = min(max_num_seqs, what fits here); decodes without a
+    # row gather their blocks instead.
+    decode_workspace_gib: float = 0.25
+    # Workspace decodes on the CPU attend through our C++ kernel (`workers.runner.native`) when it
+    # builds here, in float32 and bfloat16; False (or SWITCHYARD_NATIVE_KERNELS=0) = torch.
+    native_kernels: bool = True
+    # On the CPU, linear weights are reordered once at load (`workers.runner.model.pack_weights`):
+    # into our kernel's tiles (`workers/runner/native/linear.cpp`; AVX-512, bf16 AVX512-BF16, or
+    # AVX2), else oneDNN's blocked layout (bf16 on AVX2: dense, oneDNN cannot run it).
+    # Faster matmuls, same memory but for a packed copy of a tied
+    # LM head. False = dense weights through F.linear.
+    packed_weights: bool = True
+    # On a GPU, a step whose requests are all workspace decodes replays a CUDA graph of its
+    # (batch, context) bucket (`workers.runner.decode_graphs`), captured on first use and checked
+    # against the eager step. "auto": on CUDA; "off": never; "eager": the same buckets,
+    # padding and buffers run without recording, on any device (to tell a capture
+    # problem from a bucketing one).
+    decode_graphs: str = "auto"
+    threads: int | None = None  # torch intra-op threads; None = CPUs we may run on, at most 8
+    scheduler: SchedulerConfig | None = None
+    seed: int = 0  # for unseeded sampling
+
+    def __post_init__(self) -> None:
+        if self.decode_graphs not in DECODE_GRAPH_MODES:
+            raise ValueError(
+                f"decode_graphs must be one of {', '.join(DECODE_GRAPH_MODES)}, "
+                f"not {self.decode_graphs!r}"
+            )
+        if self.scheduler is None:
+            self.scheduler = SchedulerConfig()

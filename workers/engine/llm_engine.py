@@ -1,0 +1,374 @@
+"""The engine: a scheduler, a KV manager and a model runner, stepped in one thread."""
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from kvcache import KVCacheManager
+from workers.engine.config import EngineConfig
+from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.isolation import execute_isolated
+from workers.engine.outputs import Completion, RequestOutput, TokenLogprobs
+from workers.engine.request import FinishReason, Request, RequestStatus
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.scheduler import Scheduler
+from workers.engine.structured import GrammarCompiler, GrammarSpec
+from workers.engine.tokenizer import CheckpointTokenizer
+from workers.errors import ContextLengthError, EngineStepError, InvalidRequestError
+from workers.runner.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+# Steps in a row in which every scheduled request failed, alone, before the failure is
+# taken for the engine's own (a broken device) rather than the requests'.
+MAX_FAILED_STEPS = 3
+
+
+class LLMEngine:
+    """Single-threaded engine. `AsyncEngine` runs one in its own thread for servers."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: CheckpointTokenizer | None,
+        config: EngineConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        assert config.scheduler is not None
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.clock = clock
+        self.kv = KVCacheManager(
+            runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        sched = config.scheduler
+        if sched.attention_parity_context is None:
+            parity = max(1, runner.model_config.attention_parity_context // 2)
+            sched = replace(sched, attention_parity_context=parity)
+        self.scheduler = Scheduler(sched, self.kv, clock)
+        self.max_model_len = min(runner.max_model_len, runner.kv_capacity_tokens)
+        eos = tokenizer.eos_token_ids if tokenizer else runner.model_config.eos_token_ids
+        self.eos_token_ids: tuple[int, ...] = eos
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens_computed = 0
+        self.num_failed_requests = 0
+        self._num_failed_steps = 0  # in a row, every request failing
+        self.grammars: GrammarCompiler | None = (
+            GrammarCompiler(tokenizer.hf, runner.model_config.vocab_size, eos)
+            if tokenizer is not None
+            else None
+        )
+        # n > 1: samples held back until the sample they fork from has its prompt KV.
+        self._held: dict[str, list[Request]] = {}
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        config: EngineConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> "LLMEngine":
+        """Load a local Hugging Face directory (a tokenizer is optional)."""
+        model_dir = Path(model_dir)
+        config = config or EngineConfig()
+        runner = ModelRunner(model_dir, config)
+        has_tok = (model_dir / "tokenizer.json").is_file()
+        tokenizer = CheckpointTokenizer(model_dir) if has_tok else None
+        return cls(runner, tokenizer, config, clock)
+
+    # -- requests ---------------------------------------------------------------------
+
+    def make_request(
+        self,
+        request_id: str | None = None,
+        *,
+        prompt: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        deadline: float | None = None,
+        add_special_tokens: bool = True,
+        grammar: GrammarSpec | None = None,
+    ) -> Request:
+        """Validate and tokenize a request. Touches no engine state, so any thread may call it.
+
+        A prompt rendered by the chat template already holds its special tokens (BOS
+        included, where the template writes it): pass `add_special_tokens=False`.
+        `grammar`: the output must match it (compiled here, once per distinct schema).
+        """
+        params = params or SamplingParams()
+        if (prompt is None) == (prompt_token_ids is None):
+            raise InvalidRequestError("give exactly one of prompt and prompt_token_ids", "prompt")
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer; send token ids", "prompt")
+            ids = self.tokenizer.encode(prompt, add_special_tokens)
+        else:
+            ids = list(prompt_token_ids or [])
+            vocab = self.runner.model_config.vocab_size
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers in [0, {vocab})", "prompt"
+                )
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ContextLengthError(len(ids), params.max_tokens, self.max_model_len)
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer", "stop")
+        guide = None
+        if grammar is not None:
+            if self.grammars is None:
+                raise InvalidRequestError("structured outputs need a tokenizer", grammar.param)
+            guide = self.grammars.guide(grammar)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        request = Request(
+            rid,
+            ids,
+            params,
+            arrival_time=self.clock(),
+            priority=priority,
+            deadline=deadline,
+            cache_salt=cache_salt,
+            eos_token_ids=self.eos_token_ids,
+        )
+        request.guide = guide
+        return request
+
+    def fork(self, parent: Request, request_id: str, seed: int | None) -> Request:
+        """Another sample of `parent`'s prompt (n > 1): same prompt, params and salt, its
+        own seed. Added after the parent, it waits for the parent's prefill and then takes
+        the prompt's blocks from the prefix cache (only the last partial block is
+        recomputed)."""
+        child = Request(
+            request_id,
+            parent.prompt_token_ids,
+            replace(parent.params, seed=seed),
+            arrival_time=parent.arrival_time,
+            priority=parent.priority,
+            deadline=parent.deadline,
+            cache_salt=parent.cache_salt,
+            eos_token_ids=parent.eos_token_ids,
+        )
+        if parent.guide is not None:
+            child.guide = type(parent.guide)(parent.guide.pristine, parent.guide.compiler)
+        child.fork_of = parent.request_id
+        return child
+
+    def add(self, request: Request) -> RequestOutput | None:
+        """Queue a request. None when queued; a finished output with `error` when not."""
+        try:
+            parent = self.scheduler.requests.get(request.fork_of or "")
+            if parent is not None and parent.num_output_tokens == 0:
+                self._held.setdefault(parent.request_id, []).append(request)
+            else:
+                self.scheduler.add(request)
+            if self.tokenizer is not None:
+                self._detok[request.request_id] = IncrementalDetokenizer(
+                    self.tokenizer.backend,
+                    request.prompt_token_ids,
+                    request.params.stop,
+                    request.params.skip_special_tokens,
+                )
+        except Exception as exc:
+            return self._fail(request, exc, "add")
+        return None
+
+    def add_request(self, request_id: str | None = None, **kwargs) -> Request:
+        request = self.make_request(request_id, **kwargs)
+        self.add(request)
+        return request
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a request; its blocks are free when this returns. None if unknown."""
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            req = self._unhold(request_id)
+            if req is None:
+                return None
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = FinishReason.ABORT
+        self._release_forks()
+        return self._output(req, [], None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._held)
+
+    def _unhold(self, request_id: str) -> Request | None:
+        for parent_id, held in self._held.items():
+            for req in held:
+                if req.request_id == request_id:
+                    held.remove(req)
+                    if not held:
+                        del self._held[parent_id]
+                    return req
+        return None
+
+    def _release_forks(self) -> None:
+        """Queue held samples whose parent has its prompt KV (or is gone)."""
+        if not self._held:
+            return
+        for parent_id in list(self._held):
+            parent = self.scheduler.requests.get(parent_id)
+            if parent is None or parent.num_output_tokens > 0:
+                for req in self._held.pop(parent_id):
+                    self.scheduler.add(req)
+
+    # -- the step ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and report what changed.
+
+        A request that makes the step fail is failed alone (an output with `error`) and
+        the others go on; raises EngineStepError only for a failure no request explains.
+        """
+        sched = self.scheduler
+        self._release_forks()
+        out = sched.schedule()
+        outputs = [self._output(req, [], None) for req in out.expired]
+        if not out.scheduled:
+            return outputs
+        tables = {req.request_id: self.kv.block_table(req.request_id) for req, _ in out.scheduled}
+        sampled, failed = execute_isolated(
+            lambda batch: self.runner.execute(batch, tables), out.scheduled
+        )
+        self._count_failed_step(len(failed), len(out.scheduled), failed)
+        outputs += [self._fail(req, exc, "step") for req, exc in failed]
+        out.scheduled = [(req, n) for req, n in out.scheduled if not req.is_finished]
+        sched.advance(out)
+        self.num_prompt_tokens_computed += sum(n for _, n in out.scheduled) - len(sampled)
+        now = self.clock()
+        for req, _ in out.scheduled:
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            try:
+                req.append_token(token.token_id)
+                if req.guide is not None and not req.guide.accept(token.token_id):
+                    raise RuntimeError(f"token {token.token_id} breaks the request's grammar")
+                self.num_generated_tokens += 1
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                self._check_stop(req, token.token_id)
+                lps = [token.logprobs] if token.logprobs is not None else None
+                outputs.append(self._output(req, [token.token_id], lps))
+            except Exception as exc:  # stop checks, detokenization: this request only
+                outputs.append(self._fail(req, exc, "detokenize"))
+        return outputs
+
+    def _count_failed_step(
+        self, num_failed: int, num_scheduled: int, failed: list[tuple[Request, Exception]]
+    ) -> None:
+        if num_failed < num_scheduled:
+            self._num_failed_steps = 0
+            return
+        self._num_failed_steps += 1
+        if num_scheduled > 1 or self._num_failed_steps >= MAX_FAILED_STEPS:
+            raise EngineStepError(
+                f"every request failed alone ({num_scheduled} this step, "
+                f"{self._num_failed_steps} such steps in a row): {failed[0][1]!r}"
+            ) from failed[0][1]
+
+    def _fail(self, req: Request, exc: Exception, phase: str) -> RequestOutput:
+        """Finish one request with an error; its blocks are free when this returns."""
+        log.error("request %s failed (%s): %r", req.request_id, phase, exc, exc_info=exc)
+        if self.scheduler.requests.get(req.request_id) is req:
+            self.scheduler.finish(req, FinishReason.ERROR)
+        else:  # never queued: its id may belong to another request
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = FinishReason.ERROR
+        self._detok.pop(req.request_id, None)
+        self.num_failed_requests += 1
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason=FinishReason.ERROR,
+            stop_reason=None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            error=f"{type(exc).__name__}: {exc}",
+        )
+
+    def _check_stop(self, req: Request, token_id: int) -> None:
+        params = req.params
+        detok = self._detok.get(req.request_id)
+        past_min = req.num_output_tokens > params.min_tokens or req.guide is not None
+        if detok is not None:
+            detok.push(token_id, check_stops=past_min)
+        if req.guide is not None and req.guide.is_done:
+            # The document is complete: only EOS could follow (ignore_eos or not).
+            stop = token_id if token_id in params.stop_token_ids else None
+            return self.scheduler.finish(req, FinishReason.STOP, stop)
+        if past_min:
+            if not params.ignore_eos and token_id in req.eos_token_ids:
+                return self.scheduler.finish(req, FinishReason.STOP)
+            if token_id in params.stop_token_ids:
+                return self.scheduler.finish(req, FinishReason.STOP, token_id)
+            if detok is not None and detok.stop_hit is not None:
+                return self.scheduler.finish(req, FinishReason.STOP, detok.stop_hit)
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            self.scheduler.finish(req, FinishReason.LENGTH)
+
+    def _output(
+        self, req: Request, new_ids: list[int], logprobs: list[TokenLogprobs] | None
+    ) -> RequestOutput:
+        finished = req.is_finished
+        detok = (
+            self._detok.pop(req.request_id, None) if finished else self._detok.get(req.request_id)
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            new_text=detok.delta(finished) if detok is not None else "",
+            finished=finished,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            logprobs=logprobs,
+        )
+
+    # -- offline use ------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Run prompts (text or token ids) to completion; results in prompt order."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        reqs = []
+        for prompt, p in zip(prompts, params, strict=True):
+            if isinstance(prompt, str):
+                reqs.append(self.add_request(prompt=prompt, params=p))
+            else:
+                reqs.append(self.add_request(prompt_token_ids=list(prompt), params=p))
+        texts = {r.request_id: [] for r in reqs}
+        while self.has_unfinished_requests():
+            for o in self.step():
+                if o.request_id in texts:
+                    texts[o.request_id].append(o.new_text)
+        return [
+            Completion(
+                request_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                token_ids=list(r.output_token_ids),
+                text="".join(texts[r.request_id]),
+                finish_reason=r.finish_reason,
+                num_cached_tokens=max(r.num_cached_tokens, 0),
+                num_preemptions=r.num_preemptions,
+            )
+            for r in reqs
+        ]

@@ -1,0 +1,380 @@
+"""The local fleet supervisor: worker processes per pool, as a `workers.fleet.Actuator`.
+
+`switchyard serve` runs one `LocalSupervisor` in the gateway's process. It launches
+`switchyard worker` processes on free loopback ports, watches them (`/load` once a tick),
+tells the gateway's pools when a member appears or goes (the `Membership` callbacks),
+restarts a worker that crashed or stalled (with backoff; it stays `starting` meanwhile, so
+the autoscaler counts it as capacity already ordered), and retires replicas by draining
+them (`POST /drain` with `exit_when_empty`, the control key when one is set).
+
+Process code lives here, not in `workers.fleet` (the pure policy; an import contract
+keeps subprocess out of it).
+"""
+
+import asyncio
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from workers.api.client import WorkerClient
+from workers.api.types import LoadReport
+from workers.fleet.signals import ReplicaSignals, ReplicaState
+
+log = logging.getLogger(__name__)
+
+
+class Membership(Protocol):
+    """Where the supervisor reports pool membership (the gateway's pools)."""
+
+    def add(self, pool: str, url: str) -> None: ...
+
+    def remove(self, pool: str, url: str, lost: bool) -> None:
+        """`lost`: the process died with work possibly in flight (waiters stop waiting)."""
+        ...
+
+
+@dataclass
+class PoolLaunch:
+    """How to start one replica of a pool: `argv(port)` is its command line."""
+
+    argv: Callable[[int], list[str]]
+    env: dict[str, str] = field(default_factory=dict)
+    control_key: str | None = None  # sent with /drain
+
+
+@dataclass
+class SupervisorConfig:
+    log_dir: Path
+    restart_base_s: float = 1.0  # first restart delay after a crash; doubles per crash
+    restart_max_s: float = 30.0
+    stable_after_s: float = 30.0  # ready this long: the crash count starts again
+    stall_restart_s: float = 30.0  # stalled this long: killed and restarted
+    start_timeout_s: float = 300.0  # starting this long without /ready: killed, restarted
+    stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this
+
+
+def restart_delay_s(num_crashes: int, base_s: float, max_s: float) -> float:
+    """Backoff before restarting a replica that crashed `num_crashes` times in a row."""
+    return min(base_s * 2 ** max(num_crashes - 1, 0), max_s)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal a worker and every process it started (the ranks of a shard group): each
+    worker leads its own process group (`_die_with_parent` calls setsid)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        if proc.poll() is None:
+            proc.send_signal(sig)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: the worker gets SIGTERM if the supervisor dies without stopping it."""
+    os.setsid()  # a terminal's Ctrl-C reaches the supervisor, which drains first
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class Replica:
+    replica_id: str
+    pool: str
+    ordered_at_s: float
+    state: ReplicaState = "starting"
+    port: int = 0
+    proc: subprocess.Popen | None = None
+    launched_at_s: float = 0.0
+    ready_since_s: float | None = None
+    stalled_since_s: float | None = None
+    restart_at_s: float | None = None  # waiting out a backoff until then
+    num_crashes: int = 0
+    num_restarts: int = 0
+    load: LoadReport | None = None
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def to_signals(self) -> ReplicaSignals:
+        load = self.load if self.state != "starting" else None
+        return ReplicaSignals(
+            replica_id=self.replica_id,
+            state=self.state,
+            ordered_at_s=self.ordered_at_s,
+            num_running=load.num_running if load else None,
+            num_waiting=load.num_waiting if load else None,
+            kv_used_tokens=(load.kv_total_tokens - load.kv_free_tokens) if load else None,
+            kv_total_tokens=load.kv_total_tokens if load else None,
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.replica_id,
+            "state": self.state,
+            "url": self.url if self.proc is not None else None,
+            "pid": self.proc.pid if self.proc is not None else None,
+            "restarts": self.num_restarts,
+            "running": self.load.num_running if self.load else None,
+            "waiting": self.load.num_waiting if self.load else None,
+            "kv_free_tokens": self.load.kv_free_tokens if self.load else None,
+            "kv_total_tokens": self.load.kv_total_tokens if self.load else None,
+            "tokens_per_s": self.load.output_tokens_per_s if self.load else None,
+            "log": str(self.log_path) if self.log_path else None,
+        }
+
+
+class LocalSupervisor:
+    """Worker processes on this machine. `start_replica` and `drain_replica` return at
+    once (the `Actuator` contract); `tick` (about once a second, on the event loop) does
+    the watching. Call everything from the event loop's thread (the main thread): a
+    child's parent-death signal follows the thread that started it."""
+
+    def __init__(
+        self,
+        pools: dict[str, PoolLaunch],
+        client: WorkerClient,
+        membership: Membership,
+        config: SupervisorConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pools = pools
+        self.client = client
+        self.membership = membership
+        self.config = config
+        self.clock = clock
+        self.replicas: dict[str, Replica] = {}
+        self._ids = itertools.count()
+        self._tasks: set[asyncio.Task] = set()
+        self.stopping = False
+        config.log_dir.mkdir(parents=True, exist_ok=True)
+
+    # -- the Actuator ---------------------------------------------------------------------
+
+    def start_replica(self, pool: str) -> str:
+        replica = Replica(f"{pool}-{next(self._ids)}", pool, self.clock())
+        self.replicas[replica.replica_id] = replica
+        self._launch(replica)
+        return replica.replica_id
+
+    def drain_replica(self, pool: str, replica_id: str) -> None:
+        replica = self.replicas.get(replica_id)
+        if replica is None or replica.pool != pool or replica.state == "draining":
+            return
+        if replica.state == "starting":
+            log.info("cancelling %s (still starting)", replica_id)
+            self._forget(replica, kill=True)
+            return
+        replica.state = "draining"
+        log.info("draining %s (%s)", replica_id, replica.url)
+        self._spawn(self._send_drain(replica))
+
+    # -- watching -------------------------------------------------------------------------
+
+    def pool_replicas(self, pool: str) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.pool == pool]
+
+    def signals(self, pool: str) -> tuple[ReplicaSignals, ...]:
+        return tuple(r.to_signals() for r in self.pool_replicas(pool))
+
+    async def tick(self) -> None:
+        """Reap exits, restart what is due, poll every live replica's /load."""
+        now = self.clock()
+        for replica in list(self.replicas.values()):
+            self._check_process(replica, now)
+        live = [r for r in self.replicas.values() if r.proc is not None]
+        reports = await asyncio.gather(*(self.client.load(r.url) for r in live))
+        now = self.clock()
+        for replica, report in zip(live, reports, strict=True):
+            if replica.replica_id in self.replicas and replica.proc is not None:
+                self._observe(replica, report, now)
+
+    def _check_process(self, replica: Replica, now: float) -> None:
+        if replica.proc is None:
+            if replica.restart_at_s is not None and now >= replica.restart_at_s:
+                replica.num_restarts += 1
+                self._launch(replica)
+            return
+        code = replica.proc.poll()
+        if code is None:
+            return
+        if replica.state == "draining":
+            log.info("%s drained and exited (%s)", replica.replica_id, code)
+            self._forget(replica, kill=False)
+            return
+        self._crashed(replica, f"exited with status {code}", now)
+
+    def _observe(self, replica: Replica, report: LoadReport | None, now: float) -> None:
+        replica.load = report
+        state = report.state if report is not None else None
+        if replica.state == "starting":
+            if state == "ready":
+                replica.state = "ready"
+                replica.ready_since_s = now
+                log.info(
+                    "%s ready on %s (%.1f s)",
+                    replica.replica_id,
+                    replica.url,
+                    now - replica.launched_at_s,
+                )
+            elif now - replica.launched_at_s > self.config.start_timeout_s:
+                self._crashed(replica, "not ready in time", now)
+            return
+        if replica.state in ("ready", "stalled"):
+            if state == "stalled" or (state is None and replica.state == "stalled"):
+                if replica.state != "stalled":
+                    log.warning("%s is stalled", replica.replica_id)
+                    replica.state = "stalled"
+                    replica.stalled_since_s = now
+                elif now - (replica.stalled_since_s or now) > self.config.stall_restart_s:
+                    self._crashed(replica, "stalled too long", now)
+            elif state == "ready":
+                replica.state = "ready"
+                replica.stalled_since_s = None
+                if (
+                    replica.ready_since_s
+                    and now - replica.ready_since_s > self.config.stable_after_s
+                ):
+                    replica.num_crashes = 0
+
+    def _crashed(self, replica: Replica, why: str, now: float) -> None:
+        """Kill what is left, leave the rotation, restart after a backoff."""
+        url, proc = replica.url, replica.proc
+        if proc is not None:  # the whole shard group, even when rank 0 is gone already
+            kill_group(proc)
+        if proc is not None:
+            self.membership.remove(replica.pool, url, lost=True)
+        replica.proc = None
+        replica.load = None
+        replica.state = "starting"
+        replica.ready_since_s = None
+        replica.stalled_since_s = None
+        replica.num_crashes += 1
+        delay = restart_delay_s(
+            replica.num_crashes, self.config.restart_base_s, self.config.restart_max_s
+        )
+        replica.restart_at_s = now + delay
+        log.warning(
+            "%s %s; restarting in %.0f s (log: %s%s)",
+            replica.replica_id,
+            why,
+            delay,
+            replica.log_path,
+            _last_line(replica.log_path),
+        )
+
+    # -- processes ------------------------------------------------------------------------
+
+    def _launch(self, replica: Replica) -> None:
+        launch = self.pools[replica.pool]
+        replica.port = free_port()
+        replica.restart_at_s = None
+        replica.launched_at_s = self.clock()
+        replica.log_path = self.config.log_dir / f"{replica.replica_id}.log"
+        env = {**os.environ, **launch.env}
+        with open(replica.log_path, "ab") as out:
+            replica.proc = subprocess.Popen(
+                launch.argv(replica.port),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=_die_with_parent,
+            )
+        log.info(
+            "%s starting: pid %d, %s (log: %s)",
+            replica.replica_id,
+            replica.proc.pid,
+            replica.url,
+            replica.log_path,
+        )
+        self.membership.add(replica.pool, replica.url)
+
+    def _forget(self, replica: Replica, kill: bool) -> None:
+        self.replicas.pop(replica.replica_id, None)
+        proc = replica.proc
+        if proc is None:
+            return
+        if kill and proc.poll() is None:
+            proc.terminate()
+            self._spawn(self._reap(proc))
+        self.membership.remove(replica.pool, replica.url, lost=False)
+
+    async def _reap(self, proc: subprocess.Popen) -> None:
+        deadline = self.clock() + self.config.stop_grace_s
+        while proc.poll() is None and self.clock() < deadline:
+            await asyncio.sleep(0.1)
+        if proc.poll() is None:
+            kill_group(proc)
+            proc.wait()
+
+    async def _send_drain(self, replica: Replica) -> None:
+        key = self.pools[replica.pool].control_key
+        try:
+            status = await self.client.drain(replica.url, exit_when_empty=True, control_key=key)
+        except Exception as exc:  # unreachable: it is gone or going; stop it outright
+            status = repr(exc)
+        if status != 200:
+            log.warning("%s refused /drain (%s); terminating it", replica.replica_id, status)
+            if replica.proc is not None and replica.proc.poll() is None:
+                replica.proc.terminate()
+
+    def _spawn(self, coro) -> None:  # noqa: ANN001
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def stop(self) -> None:
+        """Stop every worker: SIGTERM, then SIGKILL after `stop_grace_s`. Idempotent."""
+        self.stopping = True
+        procs = [r.proc for r in self.replicas.values() if r.proc is not None]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = self.clock() + self.config.stop_grace_s
+        while any(p.poll() is None for p in procs) and self.clock() < deadline:
+            await asyncio.sleep(0.05)
+        for proc in procs:
+            if proc.poll() is None:
+                log.warning("worker pid %d did not stop in time; killing it", proc.pid)
+                kill_group(proc)
+                proc.wait()
+        for task in list(self._tasks):
+            task.cancel()
+        self.replicas.clear()
+
+    def kill_all_now(self) -> None:
+        """Last resort on the way out (an exception, a second Ctrl-C)."""
+        for r in self.replicas.values():
+            if r.proc is not None:
+                kill_group(r.proc)
+
+
+def _last_line(path: Path | None) -> str:
+    if path is None:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(f.seek(0, os.SEEK_END) - 2048, 0))
+            lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return f"; last line: {lines[-1][:200]}" if lines else ""

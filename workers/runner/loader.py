@@ -1,0 +1,121 @@
+"""Load a local Hugging Face checkpoint directory: config, safetensors shards, tokenizer."""
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from workers.errors import CheckpointError
+from workers.models.model_config import ModelConfig
+from workers.runner.model import LayerWeights, ModelWeights
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise CheckpointError(
+            f"unsupported dtype {name!r}; expected one of {sorted(DTYPES)}"
+        ) from None
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The shard files of a checkpoint, via the index file when there is one."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names shards that are missing: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"{model_dir} has no *.safetensors weights (only safetensors is read)"
+        )
+    return files
+
+
+def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def load_weights(
+    cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device
+) -> ModelWeights:
+    """Read, check shapes, fuse q/k/v and gate/up, cast and move to the device."""
+    raw = read_tensors(model_dir)
+    hidden, inter, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q_size, kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
+
+    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = raw.get(name)
+        if t is None:
+            raise CheckpointError(
+                f"{model_dir}: tensor {name!r} is missing (expected shape {shape})"
+            )
+        if tuple(t.shape) != shape:
+            raise CheckpointError(
+                f"{model_dir}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}"
+            )
+        return t.to(device=device, dtype=dtype)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        qkv = torch.cat(
+            [
+                take(p + "self_attn.q_proj.weight", (q_size, hidden)),
+                take(p + "self_attn.k_proj.weight", (kv_size, hidden)),
+                take(p + "self_attn.v_proj.weight", (kv_size, hidden)),
+            ]
+        )
+        bias = None
+        if cfg.qkv_bias:
+            bias = torch.cat(
+                [
+                    take(p + "self_attn.q_proj.bias", (q_size,)),
+                    take(p + "self_attn.k_proj.bias", (kv_size,)),
+                    take(p + "self_attn.v_proj.bias", (kv_size,)),
+                ]
+            )
+        layers.append(
+            LayerWeights(
+                input_norm=take(p + "input_layernorm.weight", (hidden,)),
+                qkv=qkv,
+                qkv_bias=bias,
+                q_norm=take(p + "self_attn.q_norm.weight", (hd,)) if cfg.qk_norm else None,
+                k_norm=take(p + "self_attn.k_norm.weight", (hd,)) if cfg.qk_norm else None,
+                o=take(p + "self_attn.o_proj.weight", (hidden, q_size)),
+                post_norm=take(p + "post_attention_layernorm.weight", (hidden,)),
+                gate_up=torch.cat(
+                    [
+                        take(p + "mlp.gate_proj.weight", (inter, hidden)),
+                        take(p + "mlp.up_proj.weight", (inter, hidden)),
+                    ]
+                ),
+                down=take(p + "mlp.down_proj.weight", (hidden, inter)),
+            )
+        )
+    embed = take("model.embed_tokens.weight", (cfg.vocab_size, hidden))
+    if cfg.tie_word_embeddings or "lm_head.weight" not in raw:
+        if not cfg.tie_word_embeddings:
+            raise CheckpointError(f"{model_dir}: tensor 'lm_head.weight' is missing")
+        lm_head = embed
+    else:
+        lm_head = take("lm_head.weight", (cfg.vocab_size, hidden))
+    return ModelWeights(
+        embed=embed, layers=layers, norm=take("model.norm.weight", (hidden,)), lm_head=lm_head
+    )

@@ -1,0 +1,128 @@
+"""Prometheus metrics of a worker, on a registry the caller passes in.
+
+Names follow vLLM's where the meaning is the same, prefixed `switchyard_worker_`.
+Engine state (queue lengths, KV usage, cumulative engine counters) is read at scrape
+time by a collector; per-request latencies are observed by the server as they happen.
+"""
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from workers.engine.llm_engine import LLMEngine
+
+P = "switchyard_worker_"
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+                0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)  # fmt: skip
+
+
+class EngineCollector(Collector):
+    """Reads the engine's state when Prometheus scrapes."""
+
+    def __init__(self, engine: Callable[[], LLMEngine | None], model: str) -> None:
+        self._engine = engine
+        self._model = model
+
+    def collect(self) -> Iterator:
+        engine = self._engine()
+        if engine is None:
+            return
+        labels = ["model_name"]
+        sched, kv = engine.scheduler, engine.kv
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(P + name, doc, labels=labels)
+            g.add_metric([self._model], value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(P + name, doc, labels=labels)
+            c.add_metric([self._model], value)
+            return c
+
+        yield gauge("num_requests_running", "Requests in the running batch.", sched.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", sched.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", kv.usage)
+        yield counter(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            kv.stats.num_query_tokens,
+        )
+        yield counter(
+            "prefix_cache_hits",
+            "Prompt tokens served from the prefix cache.",
+            kv.stats.num_hit_tokens,
+        )
+        yield counter(
+            "request_errors",
+            "Requests the engine failed alone (finish reason error); the others went on.",
+            engine.num_failed_requests,
+        )
+        yield counter(
+            "num_preemptions",
+            "Requests preempted (recomputed) for lack of KV blocks.",
+            sched.num_preemptions,
+        )
+
+
+class WorkerMetrics:
+    """Request-level metrics, observed by the HTTP server."""
+
+    def __init__(self, registry: CollectorRegistry, model: str) -> None:
+        self.registry = registry
+        self.model = model
+        lab = ["model_name"]
+        self.prompt_tokens = Counter(
+            P + "prompt_tokens", "Prompt tokens of finished requests.", lab, registry=registry
+        )
+        self.generation_tokens = Counter(
+            P + "generation_tokens", "Tokens generated.", lab, registry=registry
+        )
+        self.request_success = Counter(
+            P + "request_success",
+            "Finished requests by finish reason.",
+            lab + ["finished_reason"],
+            registry=registry,
+        )
+        self.rejected = Counter(
+            P + "requests_rejected",
+            "Requests refused by admission control.",
+            lab + ["reason"],
+            registry=registry,
+        )
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> Histogram:
+            return Histogram(P + name, doc, lab, buckets=buckets, registry=registry)
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.")
+        self.itl = hist("inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.")
+        self.prefill = hist("request_prefill_time_seconds", "First scheduled to first token.")
+        self.decode = hist("request_decode_time_seconds", "First token to finish.")
+
+    def observe_finished(
+        self,
+        reason: str,
+        num_prompt: int,
+        arrival: float,
+        first_scheduled: float | None,
+        first_token: float | None,
+        finished: float,
+    ) -> None:
+        m = self.model
+        self.prompt_tokens.labels(m).inc(num_prompt)
+        self.request_success.labels(m, reason).inc()
+        self.e2e.labels(m).observe(finished - arrival)
+        if first_scheduled is not None:
+            self.queue.labels(m).observe(first_scheduled - arrival)
+            if first_token is not None:
+                self.prefill.labels(m).observe(first_token - first_scheduled)
+        if first_token is not None:
+            self.ttft.labels(m).observe(first_token - arrival)
+            self.decode.labels(m).observe(finished - first_token)

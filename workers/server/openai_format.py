@@ -1,0 +1,260 @@
+"""Between the OpenAI wire format and the engine: sampling params in, JSON bodies out."""
+
+import time
+from typing import Any
+
+from workers.api.types import ApiError, ChatCompletionRequest, CompletionRequest
+from workers.engine.outputs import RequestOutput, TokenLogprobs
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.structured import GrammarSpec
+from workers.engine.tokenizer import CheckpointTokenizer
+from workers.errors import InvalidRequestError
+from workers.server.tools import ToolPlan, ToolStream, template_messages, tool_grammar
+
+_UNSUPPORTED = {"presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def sampling_params(
+    req: CompletionRequest | ChatCompletionRequest, default_max_tokens: int
+) -> SamplingParams:
+    """SamplingParams for a request; ApiError(400) naming the field when invalid."""
+    if req.n < 1:
+        raise ApiError(400, "n must be at least 1", param="n")
+    for name, neutral in _UNSUPPORTED.items():
+        if getattr(req, name) != neutral:
+            raise ApiError(400, f"{name} is not supported by this server", param=name)
+    if isinstance(req, ChatCompletionRequest):
+        max_tokens = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+    else:
+        max_tokens = req.max_tokens
+        logprobs = req.logprobs
+        if req.echo:
+            raise ApiError(400, "echo is not supported by this server", param="echo")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    try:
+        return SamplingParams(
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k == -1 else req.top_k,
+            min_p=req.min_p,
+            seed=req.seed,
+            stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
+        )
+    except InvalidRequestError as exc:
+        raise ApiError(400, exc.message, param=exc.param) from None
+
+
+def grammar_of(
+    req: CompletionRequest | ChatCompletionRequest, tools: ToolPlan | None = None
+) -> GrammarSpec | None:
+    """What the output is constrained to: a forced tool call, else `response_format`."""
+    try:
+        if tools is not None:
+            forced = tool_grammar(tools, getattr(req, "parallel_tool_calls", True))
+            if forced is not None:
+                return forced
+        rf = req.response_format
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_object":
+            return GrammarSpec.from_schema({"type": "object"})
+        if rf.json_schema is None:
+            raise ApiError(
+                400,
+                "response_format of type json_schema needs `json_schema`",
+                param="response_format",
+            )
+        schema = rf.json_schema.schema
+        return GrammarSpec.from_schema(schema if schema is not None else {"type": "object"})
+    except InvalidRequestError as exc:
+        raise ApiError(400, exc.message, param=exc.param) from None
+
+
+def chat_prompt(
+    req: ChatCompletionRequest, tokenizer: CheckpointTokenizer, tools: ToolPlan | None = None
+) -> str:
+    if not req.messages:
+        raise ApiError(400, "messages must not be empty", param="messages")
+    messages = []
+    extras = template_messages(req)
+    for m, extra in zip(req.messages, extras, strict=True):
+        content = m.content
+        if isinstance(content, list):
+            parts = [p.get("text") for p in content if p.get("type") == "text"]
+            if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
+                raise ApiError(400, "only text content parts are supported", param="messages")
+            content = "".join(parts)
+        messages.append({**extra, "content": content or ""})
+    try:
+        return tokenizer.render_chat(messages, tools.tools if tools is not None else None)
+    except InvalidRequestError as exc:
+        raise ApiError(400, exc.message, param=exc.param) from None
+
+
+def usage(outs: list[RequestOutput]) -> dict[str, Any]:
+    """The usage of a request's samples: the prompt once, every sample's output."""
+    first = outs[0]
+    completion = sum(o.num_output_tokens for o in outs)
+    return {
+        "prompt_tokens": first.num_prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.num_prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens},
+    }
+
+
+def _finish(out: RequestOutput | None, tool_calls: bool) -> str | None:
+    if out is None or not out.finished:
+        return None
+    reason = "stop" if out.finish_reason is None else out.finish_reason.value
+    reason = "stop" if reason == "abort" else reason
+    return "tool_calls" if tool_calls and reason == "stop" else reason
+
+
+class ResponseBuilder:
+    """Builds the chunks and bodies of one response, completions or chat, of `n` choices.
+
+    With tools in use (`tools` a ToolPlan), each choice's text goes through a ToolStream:
+    content and `tool_calls` deltas while streaming, `message.tool_calls` at the end.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        chat: bool,
+        tokenizer: CheckpointTokenizer | None,
+        n: int = 1,
+        tools: ToolPlan | None = None,
+    ):
+        self.id = request_id
+        self.model = model
+        self.chat = chat
+        self.tok = tokenizer
+        self.created = int(time.time())
+        self._text_offset = [0] * n
+        self.tools = [ToolStream(tools) for _ in range(n)] if tools is not None else None
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tok.decode([token_id], skip_special_tokens=False) if self.tok else str(token_id)
+
+    def logprobs(
+        self, entries: list[TokenLogprobs], token_ids: list[int], index: int = 0
+    ) -> dict[str, Any]:
+        if self.chat:
+            content = []
+            for lp, tid in zip(entries, token_ids, strict=True):
+                text = self._token_text(tid)
+                content.append(
+                    {
+                        "token": text,
+                        "logprob": lp.logprob,
+                        "bytes": list(text.encode()),
+                        "top_logprobs": [
+                            {
+                                "token": (t := self._token_text(i)),
+                                "logprob": v,
+                                "bytes": list(t.encode()),
+                            }
+                            for i, v in lp.top
+                        ],
+                    }
+                )
+            return {"content": content, "refusal": None}
+        tokens = [self._token_text(t) for t in token_ids]
+        offsets = []
+        for t in tokens:
+            offsets.append(self._text_offset[index])
+            self._text_offset[index] += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in entries],
+            "top_logprobs": [{self._token_text(i): v for i, v in lp.top} for lp in entries],
+            "text_offset": offsets,
+        }
+
+    def chunk(
+        self, text: str, out: RequestOutput | None, first: bool, index: int = 0
+    ) -> dict[str, Any]:
+        lps = (
+            self.logprobs(out.logprobs, out.new_token_ids, index)
+            if out is not None and out.logprobs
+            else None
+        )
+        if not self.chat:
+            finish = _finish(out, False)
+            choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": finish}
+            return self._envelope("text_completion", [choice])
+        delta: dict[str, Any] = {}
+        calls: list[dict[str, Any]] = []
+        if self.tools is not None:
+            text, calls = self.tools[index].push(text)
+            if out is not None and out.finished:
+                text += self.tools[index].flush()
+        if first:
+            delta["role"] = "assistant"
+        if text or (first and not calls):
+            delta["content"] = text
+        if calls:
+            delta["tool_calls"] = calls
+        finish = _finish(out, self.tools is not None and bool(self.tools[index].ids))
+        choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
+        return self._envelope("chat.completion.chunk", [choice])
+
+    def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._envelope(obj, []), "usage": usage(outs)}
+
+    def choice(
+        self, index: int, text: str, last: RequestOutput, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """One choice of a whole (non-streaming) response."""
+        if not self.chat:
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": _finish(last, False),
+            }
+        else:
+            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+            calls: list[dict[str, Any]] = []
+            if self.tools is not None:
+                stream = self.tools[index]
+                stream.text = text
+                calls = stream.calls()
+                message["content"] = stream.content()
+                if calls:
+                    message["tool_calls"] = calls
+            choice = {
+                "index": index,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": _finish(last, bool(calls)),
+            }
+        if last.stop_reason is not None:
+            choice["stop_reason"] = last.stop_reason
+        return choice
+
+    def full(self, choices: list[dict[str, Any]], lasts: list[RequestOutput]) -> dict[str, Any]:
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._envelope(obj, choices), "usage": usage(lasts)}
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }

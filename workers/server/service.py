@@ -1,0 +1,169 @@
+"""One worker's behaviour, independent of the HTTP framework: state, admission, load."""
+
+import hmac
+import logging
+import math
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from workers.api.types import ApiError, LoadReport, WorkerState
+from workers.engine.async_engine import AsyncEngine
+from workers.server.admission import backlog
+from workers.server.config import WorkerConfig
+from workers.server.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+
+def bearer_matches(authorization: str | None, key: str) -> bool:
+    """Whether an Authorization header carries `Bearer <key>` (constant-time compare)."""
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def jittered_retry_after(base_s: float, jitter_s: float, rng: random.Random) -> float:
+    """Seconds to wait before retrying, spread so refused clients do not return together."""
+    return base_s + rng.uniform(0.0, jitter_s)
+
+
+class WorkerService:
+    """Holds the engine (None while loading) and decides state and admission."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        metrics: WorkerMetrics,
+        engine: AsyncEngine | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.engine = engine
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.draining = False
+        self.load_error: str | None = None
+        self._rate: deque[tuple[float, int]] = deque(maxlen=256)
+        self._lock = threading.Lock()
+        self.on_drained: Callable[[], None] | None = None  # set by the process to exit
+        # Set by the process: exit non-zero (called from the engine thread).
+        self.on_engine_failure: Callable[[], None] | None = None
+        self._max_chars_per_token: int | None = None
+        if engine is not None:
+            engine.add_death_callback(self._engine_died)
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_names[0] if self.config.served_model_names else "model"
+
+    def set_engine(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        engine.add_death_callback(self._engine_died)
+
+    def _engine_died(self, error: BaseException) -> None:
+        """The engine thread is gone: /ready is 503 (stalled) until the process exits."""
+        log.critical("the engine failed; in-flight requests got an error: %r", error)
+        if self.config.exit_on_engine_failure and self.on_engine_failure is not None:
+            self.on_engine_failure()
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids must be below it; None while loading."""
+        return self.engine.engine.runner.model_config.vocab_size if self.engine else None
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.engine.engine.max_model_len if self.engine else None
+
+    @property
+    def state(self) -> WorkerState:
+        engine = self.engine
+        if engine is None:
+            return "loading"
+        if self.draining:
+            return "draining"
+        if engine.error is not None:
+            return "stalled"
+        busy = not engine.is_idle()
+        if busy and self.clock() - engine.last_step_time > self.config.stall_timeout_s:
+            return "stalled"
+        return "ready"
+
+    def refuse(self, message: str, reason: str, code: str = "server_overloaded") -> ApiError:
+        self.metrics.rejected.labels(self.metrics.model, reason).inc()
+        retry = jittered_retry_after(
+            self.config.retry_after_s, self.config.retry_after_jitter_s, self.rng
+        )
+        return ApiError(503, message, type="server_error", code=code, retry_after_s=retry)
+
+    def admit(self, num_prompt_tokens: int) -> AsyncEngine:
+        """The engine to submit to, or ApiError(503) when this worker must refuse."""
+        engine = self.engine
+        if engine is None:
+            raise self.refuse("the model is still loading", "loading", "model_loading")
+        if self.draining:
+            raise self.refuse("this worker is draining", "draining", "worker_draining")
+        if engine.error is not None:
+            raise self.refuse("the engine has failed", "engine_dead", "engine_failed")
+        # Only what cannot be admitted soon counts against the short line: a burst that
+        # fits the running batch and the KV cache is never refused.
+        line = backlog(engine.admission_snapshot(), num_prompt_tokens)
+        if line.fits:
+            return engine
+        cfg = self.config
+        waiting, queued = line.num_requests, line.num_tokens
+        if waiting >= cfg.max_waiting_requests:
+            raise self.refuse(f"{waiting} requests are already waiting", "queue_full")
+        if queued + num_prompt_tokens > cfg.max_waiting_prompt_tokens and waiting:
+            raise self.refuse(f"{queued} prompt tokens are already queued", "queue_tokens")
+        return engine
+
+    def record_tokens(self, n: int) -> None:
+        with self._lock:
+            self._rate.append((self.clock(), n))
+
+    def tokens_per_s(self, window_s: float = 5.0) -> float:
+        now = self.clock()
+        with self._lock:
+            recent = [(t, n) for t, n in self._rate if now - t <= window_s]
+        if not recent:
+            return 0.0
+        span = max(now - recent[0][0], 1e-3)
+        return sum(n for _, n in recent) / max(span, min(window_s, 1.0))
+
+    def load(self) -> LoadReport:
+        engine = self.engine
+        if engine is None:
+            return LoadReport("loading", 0, 0, 0, 0, 0, 0, 0, 0.0, self.model_name, 0)
+        e = engine.engine
+        kv = e.kv
+        waiting, queued = engine.queue_snapshot()
+        return LoadReport(
+            state=self.state,
+            num_running=e.scheduler.num_running,
+            num_waiting=waiting,
+            kv_blocks_used=kv.pool.num_used_blocks,
+            kv_blocks_total=kv.num_total_blocks,
+            kv_free_tokens=kv.num_free_blocks * kv.block_size,
+            kv_total_tokens=kv.num_total_blocks * kv.block_size,
+            queued_prompt_tokens=queued,
+            output_tokens_per_s=round(self.tokens_per_s(), 2),
+            model=self.model_name,
+            max_model_len=e.max_model_len,
+            vocab_size=self.vocab_size,
+        )
+
+    def max_chars_per_token(self) -> int:
+        """Longest token in characters: len(text) / this bounds the token count from below."""
+        if self._max_chars_per_token is None:
+            tok = self.engine.engine.tokenizer if self.engine else None
+            vocab = tok.backend.get_vocab() if tok else {}
+            self._max_chars_per_token = max((len(t) for t in vocab), default=16)
+        return self._max_chars_per_token
+
+    def retry_after_header(self, seconds: float) -> dict[str, str]:
+        return {"Retry-After": str(math.ceil(seconds)), "retry-after-ms": str(int(seconds * 1000))}
