@@ -43,7 +43,7 @@ class _Parts:
     kernel: object
 
     def apply(self, engine, config: str) -> None:
-        from workers.runner.model import dense_linear, packed_linear
+        from workers.runner.packing import dense_linear, packed_linear
 
         model, runner = engine.runner.model, engine.runner
         dense = config in ("dense weights", "all torch")
@@ -60,7 +60,7 @@ class _Parts:
 
 def _unpacked(weights, kernel):
     """Dense [N, K] weights back from either packing."""
-    from workers.runner.model import map_linears
+    from workers.runner.packing import map_linears
 
     def dense(w):
         if w.is_mkldnn:
@@ -72,7 +72,8 @@ def _unpacked(weights, kernel):
 
 def fast_path_parts(engine) -> _Parts | None:
     """The levers of an engine built with the CPU fast path on; None if it is not."""
-    from workers.runner.model import TorchOps, can_pack, pack_weights
+    from workers.runner.ops import TorchOps
+    from workers.runner.packing import can_pack, pack_weights
 
     runner, model = engine.runner, engine.runner.model
     if not (runner.packed and runner.fused_ops and runner.decode_kernel is not None):

@@ -19,7 +19,8 @@ from workers.runner.decode_graphs import DecodeGraphs
 from workers.runner.decode_workspace import DecodeWorkspace
 from workers.runner.loader import load_weights, parse_dtype
 from workers.runner.memory import HugeArena, zeros
-from workers.runner.model import CausalLM, can_pack, map_linears, pack_weights
+from workers.runner.model import CausalLM
+from workers.runner.packing import can_pack, map_linears, pack_weights
 from workers.runner.sampler import compute_logprobs, make_sampling_batch, sample
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 `RankShard` is what `ModelRunner(shard=...)` and `CausalLM(tp=...)` are given: it loads
 this rank's weights, shrinks the model config to this rank's heads and columns, and
-implements the three collectives of the forward pass (`workers.runner.model.ShardOps`).
+implements the three collectives of the forward pass (`workers.runner.ops.ShardOps`).
 """
 
 from pathlib import Path
@@ -40,7 +40,7 @@ class RankShard:
     def agree_min(self, value: int) -> int:
         return self.group.agree_min(value, self.group.config.start_timeout_s)
 
-    # -- for the forward pass (workers.runner.model.ShardOps) --------------------------------
+    # -- for the forward pass (workers.runner.ops.ShardOps) ----------------------------------
 
     def embed(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         assert self.plan is not None

@@ -1,4 +1,4 @@
-"""The native fused per-layer ops against torch's (`workers.runner.model.TorchOps`).
+"""The native fused per-layer ops against torch's (`workers.runner.ops.TorchOps`).
 
 bf16 must agree but for rare steps of an ulp or two (RMSNorm's fp32 sum is reassociated,
 SiLU's exp is libmvec's: one intermediate rounded the other way); fp32 to a few ulps.
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from workers.runner import native
-from workers.runner.model import NativeOps, TorchOps
+from workers.runner.ops import NativeOps, TorchOps
 
 EPS = 1e-6
 

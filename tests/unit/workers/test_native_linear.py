@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from tests.support.cpu import runs_native_kernels
 from workers.runner import native
-from workers.runner.model import LayerWeights, ModelWeights, can_pack, pack_weights, packed_linear
+from workers.runner.model import LayerWeights, ModelWeights
+from workers.runner.packing import can_pack, pack_weights, packed_linear
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
@@ -181,7 +182,8 @@ def test_the_model_runs_its_mlp_up_in_one_pass_where_it_can(dtype, intermediate)
     """A gate_up whose halves are a multiple of 64 rows goes into tile pairs and runs in
     one pass (`gated_mlp_up`); another goes to oneDNN and through silu_mul: both agree
     with silu(gate) * up."""
-    from workers.runner.model import TorchOps, gated_mlp_up
+    from workers.runner.ops import TorchOps
+    from workers.runner.packing import gated_mlp_up
 
     kernel = kernel_for(dtype)
     layer, model = one_layer_model(dtype, intermediate)
