@@ -49,7 +49,7 @@ def one_core() -> Iterator[str]:
     torch = sys.modules.get("torch")
     torch_threads = torch.get_num_threads() if torch is not None else None
     cpu = min(saved) if saved else None
-    if saved:
+    if cpu is not None:
         os.sched_setaffinity(0, {cpu})
     if torch is not None:
         torch.set_num_threads(1)

@@ -26,11 +26,12 @@ def _pct(x: float | None) -> str:
 
 
 def _ms(stat: dict[str, float | None], percent: bool = False) -> str:
-    if stat["mean"] is None:
+    mean, std = stat["mean"], stat["std"] or 0.0
+    if mean is None:
         return "n/a"
     if percent:
-        return f"{100 * stat['mean']:.1f}% ± {100 * stat['std']:.1f}"
-    return f"{stat['mean']:.3f} ± {stat['std']:.3f}"
+        return f"{100 * mean:.1f}% ± {100 * std:.1f}"
+    return f"{mean:.3f} ± {std:.3f}"
 
 
 def plot_curves(report: dict[str, Any], path: Path) -> None:

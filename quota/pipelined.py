@@ -244,10 +244,11 @@ class PipelinedRedis:
                 handshake = []
                 if p.get("password"):
                     user = [p["username"]] if p.get("username") else []
-                    auth = ("AUTH", *user, p["password"])
+                    auth: tuple[Any, ...] = ("AUTH", *user, p["password"])
                     handshake.append(conn.send(hiredis.pack_command(auth)))
                 if p.get("db"):
-                    handshake.append(conn.send(hiredis.pack_command(("SELECT", p["db"]))))
+                    select: tuple[Any, ...] = ("SELECT", p["db"])
+                    handshake.append(conn.send(hiredis.pack_command(select)))
                 try:
                     await asyncio.gather(*handshake)
                 except ResponseError as exc:
@@ -274,7 +275,8 @@ class PipelinedRedis:
 
     def _tls_context(self) -> ssl.SSLContext:
         p = self._params
-        context = ssl.create_default_context(cafile=p.get("ssl_ca_certs"))
+        cafile = p.get("ssl_ca_certs")
+        context = ssl.create_default_context(cafile=str(cafile) if cafile else None)
         if str(p.get("ssl_cert_reqs", "required")).lower() in ("none", "cert_none"):
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE

@@ -94,7 +94,17 @@ def limit_arg(limit: int | None) -> str:
 def parse_reserve_reply(reply: list[int]) -> ReserveReply:
     status, sec, usec, *rest = (int(x) for x in reply)
     windows = Windows(rest[5], rest[6]) if len(rest) >= 7 else None
-    return ReserveReply(status, sec + usec / 1e6, *rest[:5], windows=windows)
+    counts = (rest + [0] * 5)[:5]
+    return ReserveReply(
+        status,
+        sec + usec / 1e6,
+        tokens_minute=counts[0],
+        tokens_day=counts[1],
+        requests_minute=counts[2],
+        num_concurrent=counts[3],
+        fail_mask=counts[4],
+        windows=windows,
+    )
 
 
 def refused_kinds(fail_mask: int) -> list[str]:

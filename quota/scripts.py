@@ -3,6 +3,7 @@ arguments built in one place. Every call may raise redis ConnectionError or Time
 every script is safe to send again after a lost reply (see each script's header)."""
 
 from importlib import resources
+from typing import Any
 
 import redis.asyncio
 from redis.commands.core import AsyncScript
@@ -52,9 +53,11 @@ class QuotaScripts:
         self._reconcile = redis.register_script(_script("reconcile.lua"))
         self._sweep = redis.register_script(_script("sweep.lua"))
 
-    async def _run(self, script: AsyncScript, keys: list, args: list):  # noqa: ANN202
+    async def _run(self, script: AsyncScript, keys: list, args: list) -> Any:
         if self.pipelined is not None:
-            return await self.pipelined.run_script(script.script, script.sha, keys, args)
+            text = script.script
+            source = bytes(text).decode() if isinstance(text, bytes | memoryview) else text
+            return await self.pipelined.run_script(source, script.sha, keys, args)
         return await script(keys, args)
 
     async def reserve(

@@ -21,6 +21,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -212,11 +213,11 @@ class QuotaMaintenance:
         return applied
 
     async def _sweep_dead_owners(self) -> int:
-        owners = [
-            (_text(o), int(score))
-            for o, score in await self._redis.zrange(keyspace.OWNERS, 0, -1, withscores=True)
-            if _text(o) != self.owner_id
-        ]
+        entries = cast(
+            "list[tuple[bytes, float]]",
+            await self._redis.zrange(keyspace.OWNERS, 0, -1, withscores=True),
+        )
+        owners = [(_text(o), int(score)) for o, score in entries if _text(o) != self.owner_id]
         if not owners:
             return 0
         async with self._redis.pipeline(transaction=False) as pipe:
@@ -239,10 +240,13 @@ class QuotaMaintenance:
                 self._reaped.discard(owner)
         return swept
 
+    async def _batch(self, index: str) -> list[bytes]:
+        return cast("list[bytes]", await self._redis.zrange(index, 0, SWEEP_BATCH - 1))
+
     async def _sweep_owner(self, owner: str) -> int:
         swept = 0
         index = keyspace.owner_pending(owner)
-        while members := await self._redis.zrange(index, 0, SWEEP_BATCH - 1):
+        while members := await self._batch(index):
             for member in members:  # sweep.lua removes each member, so this ends
                 if await self._scripts.sweep(owner, _text(member)):
                     swept += 1

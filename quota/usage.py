@@ -20,8 +20,12 @@ import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+
+if TYPE_CHECKING:
+    import redis.asyncio
 
 from quota.keyspace import tenant_prefix
 
@@ -192,13 +196,13 @@ def aggregate(
                 start = bucket * rng.bucket_s
                 size = HOUR_S if group_by == "hour" else DAY_S
                 group = str(int(start // size) * size)
-            row = totals.setdefault(group, dict.fromkeys(FIELDS, 0))
-            row[field] = row.get(field, 0) + int(raw_value)
+            counts = totals.setdefault(group, dict.fromkeys(FIELDS, 0))
+            counts[field] = counts.get(field, 0) + int(raw_value)
     rows = []
     numeric = group_by in ("day", "hour")
     for group in sorted(totals, key=(lambda g: int(g)) if numeric else None):
         t = totals[group]
-        row: dict = {"tenant_id": tenant_id}
+        row: dict[str, Any] = {"tenant_id": tenant_id}
         row[group_by] = int(group) if numeric else group
         row.update(
             requests=t["n"],
@@ -216,7 +220,7 @@ def aggregate(
 class UsageReader:
     """Reads the usage written by reconcile.lua. Raises redis errors (the caller maps them)."""
 
-    def __init__(self, redis, config: UsageConfig) -> None:  # noqa: ANN001 (redis.asyncio)
+    def __init__(self, redis: "redis.asyncio.Redis", config: UsageConfig) -> None:
         self._redis = redis
         self.config = config
 

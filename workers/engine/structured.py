@@ -22,16 +22,23 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
 import torch
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 from workers.errors import InvalidRequestError
 
 # Compact, readable JSON: no free whitespace, so a model cannot wander in blank space.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_OPTIONS: "JsonCompileOptions" = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 _MAX_CACHED_SCHEMAS = 256
 _MAX_SCHEMA_CHARS = 64 * 1024
 

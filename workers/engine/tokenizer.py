@@ -1,8 +1,9 @@
 """The checkpoint's tokenizer: encoding, chat template, and a fast decoder for streaming."""
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
@@ -59,13 +60,18 @@ class CheckpointTokenizer:
                 "this model has no chat template; use completions", "messages"
             )
         try:
-            return self.hf.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False
+            text = self.hf.apply_chat_template(
+                messages,
+                tools=cast("list[dict[Any, Any] | Callable[..., Any]] | None", tools),
+                add_generation_prompt=True,
+                tokenize=False,
             )
         except Exception as exc:  # jinja errors on malformed messages
             raise InvalidRequestError(
                 f"cannot render the chat template: {exc}", "messages"
             ) from exc
+        assert isinstance(text, str), "apply_chat_template(tokenize=False) gives text"
+        return text
 
 
 def _generation_eos(model_dir: Path) -> tuple[int, ...]:
