@@ -1,8 +1,9 @@
 """The gateway's HTTP protocols, httptools (with uvloop) and the h11 fallback, served as a
 gateway member serves them (a SO_REUSEPORT socket): a late request head closes the
 connection, the timer starts again after each response, accepted connections get
-TCP_NODELAY."""
+TCP_NODELAY, a head too large or with too many fields is a 431."""
 
+import json
 import socket
 import threading
 import time
@@ -14,7 +15,12 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.runtime.http_server import reuse_port_socket, server_config
+from gateway.runtime.http_server import (
+    MAX_HEAD_BYTES,
+    MAX_HEADERS,
+    reuse_port_socket,
+    server_config,
+)
 from tests.support.waiting import closed_after, eventually
 
 HEADER_S = 1.0
@@ -87,3 +93,70 @@ def test_uvloop_and_httptools_are_chosen_where_installed():
     )
     assert config.loop == "uvloop"
     assert issubclass(config.http, HttpToolsProtocol)
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    raw = b""
+    try:
+        while chunk := sock.recv(65536):
+            raw += chunk
+    except ConnectionResetError:
+        pass
+    return raw
+
+
+def _assert_431(raw: bytes) -> None:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431"), raw[:200]
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_header_fields_too_large"
+    assert error["type"] == "invalid_request_error" and "message" in error
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("httptools", [True, False], ids=["httptools", "h11"])
+def test_an_endless_header_is_refused_with_431_while_others_are_served(httptools):
+    with _served(httptools) as (_, port):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as attacker:
+            attacker.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nx-big: ")
+            sent, refused = 0, False
+            while sent < 4 * MAX_HEAD_BYTES:  # far past the cap, if nothing cut it
+                try:
+                    attacker.sendall(b"a" * 4096)
+                except (BrokenPipeError, ConnectionResetError):
+                    refused = True
+                    break
+                sent += 4096
+                with socket.create_connection(("127.0.0.1", port), timeout=10) as other:
+                    assert _get(other).startswith(b"HTTP/1.1 200")  # served meanwhile
+                if sent > MAX_HEAD_BYTES + 65536:
+                    break
+            attacker.settimeout(10)
+            raw = _answer(attacker)
+        assert refused or raw, "the endless head was neither refused nor closed"
+        if raw:
+            _assert_431(raw)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("httptools", [True, False], ids=["httptools", "h11"])
+def test_too_many_headers_are_431_and_a_body_full_of_lines_is_not_a_head(httptools):
+    with _served(httptools) as (_, port):
+        many = "".join(f"x-h{i}: v\r\n" for i in range(MAX_HEADERS + 1))
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(f"GET / HTTP/1.1\r\nHost: x\r\n{many}\r\n".encode())
+            _assert_431(_answer(sock))
+        # A head just under both bounds, then a body of thousands of lines in the same write.
+        fields = "".join(f"x-h{i}: v\r\n" for i in range(MAX_HEADERS - 3))  # + host, x-big, length
+        fields += "x-big: " + "a" * (MAX_HEAD_BYTES - len(fields) - 200) + "\r\n"
+        body = b"[\n" + b"1,\n" * 5000 + b"1]"
+        head = f"POST / HTTP/1.1\r\nHost: x\r\n{fields}content-length: {len(body)}\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(head.encode() + body)
+            raw = b""
+            while not raw.endswith(b"ok"):
+                chunk = sock.recv(4096)
+                assert chunk, raw
+                raw += chunk
+            assert raw.startswith(b"HTTP/1.1 200"), raw[:200]
