@@ -27,6 +27,15 @@ would move the index writes out of the scripts (index before reserve, remove aft
 TENANTS = "sy:tenants"
 
 
+KEY_QUOTA_PREFIX = "key."  # the quota holder of a key with limits of its own: "key.<key id>"
+RESERVED_TENANT_PREFIXES = (KEY_QUOTA_PREFIX,)  # no tenant id starts with one of these
+
+
+def key_quota_id(key_id: str) -> str:
+    """The id a key's own limits are counted under, in a namespace no tenant id can take."""
+    return KEY_QUOTA_PREFIX + key_id
+
+
 def tenant_prefix(tenant_id: str) -> str:
     return f"sy:{{{tenant_id}}}:"
 

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, fields
 
 from quota.errors import InvalidLimits
+from quota.keyspace import RESERVED_TENANT_PREFIXES
 
 TENANT_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -57,11 +58,23 @@ class IssuedKey:
 
 
 def is_valid_tenant_id(tenant_id: object) -> bool:
-    return isinstance(tenant_id, str) and TENANT_ID_RE.fullmatch(tenant_id) is not None
+    """A well-formed id outside the reserved namespaces (a key's own quota, `key.<id>`)."""
+    return (
+        isinstance(tenant_id, str)
+        and TENANT_ID_RE.fullmatch(tenant_id) is not None
+        and not tenant_id.lower().startswith(RESERVED_TENANT_PREFIXES)
+    )
 
 
 def validate_tenant_id(tenant_id: object) -> str:
-    """`tenant_id` if it matches TENANT_ID_RE, else InvalidLimits(param="tenant_id")."""
+    """`tenant_id` if it matches TENANT_ID_RE and starts with no reserved prefix, else
+    InvalidLimits(param="tenant_id")."""
+    if isinstance(tenant_id, str) and tenant_id.lower().startswith(RESERVED_TENANT_PREFIXES):
+        raise InvalidLimits(
+            f"tenant_id may not start with {' or '.join(map(repr, RESERVED_TENANT_PREFIXES))}: "
+            "that namespace is the gateway's own",
+            param="tenant_id",
+        )
     if not is_valid_tenant_id(tenant_id):
         raise InvalidLimits(
             "tenant_id must be 1-64 characters of letters, digits, '_', '.' or '-'",

@@ -116,6 +116,9 @@ class TenantStore:
         doc = {**asdict(tenant), "uid": uuid.uuid4().hex}
         if not await self._redis.set(keyspace.tenant_record(tenant_id), json.dumps(doc), nx=True):
             raise TenantExists(tenant_id)
+        # A new tenant starts from nothing, whatever a late reconcile of a deleted tenant of
+        # the same id left behind.
+        await self._purge(tenant_id, keep={keyspace.tenant_record(tenant_id)})
         await self._redis.sadd(keyspace.TENANTS, tenant_id)
         return tenant
 
@@ -161,8 +164,9 @@ class TenantStore:
 
     @_unavailable_on_redis_error
     async def delete_tenant(self, tenant_id: str) -> bool:
-        """Delete the tenant and its keys (they stop authenticating at once). False: no such
-        tenant. Usage counters are left to expire."""
+        """Delete the tenant, its keys (they stop authenticating at once) and everything of it
+        in Redis: counters, usage rows, the recent-request log, key last use, labels. A
+        tenant created again with this id starts empty. False: no such tenant."""
         if not is_valid_tenant_id(tenant_id):
             return False
         existed = await self._redis.delete(keyspace.tenant_record(tenant_id))
@@ -170,8 +174,21 @@ class TenantStore:
         key_ids = [_text(k) for k in await self._redis.smembers(keyspace.tenant_keys(tenant_id))]
         for key_id in key_ids:
             await self._redis.delete(keyspace.api_key(key_id))
-        await self._redis.delete(keyspace.tenant_keys(tenant_id))
+            await self._purge(keyspace.key_quota_id(key_id))  # the key's own quota counters
+        await self._purge(tenant_id)
         return bool(existed)
+
+    async def _purge(self, tenant_id: str, keep: frozenset[str] | set[str] = frozenset()) -> int:
+        """Unlink every key under the tenant's prefix but `keep`; how many went."""
+        pattern = keyspace.tenant_prefix(tenant_id) + "*"  # tenant ids hold no glob characters
+        names = [
+            name
+            async for name in self._redis.scan_iter(match=pattern, count=500)
+            if _text(name) not in keep
+        ]
+        for i in range(0, len(names), 500):
+            await self._redis.unlink(*names[i : i + 500])
+        return len(names)
 
     # -- keys ------------------------------------------------------------------------------
 

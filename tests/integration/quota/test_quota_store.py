@@ -165,3 +165,52 @@ async def test_deleting_a_tenant_revokes_its_keys_even_if_the_id_is_reused(
     await store.create_tenant("acme", "Acme again", TenantLimits())
     assert await store.authenticate(issued.plaintext) is None
     assert await store.list_keys("acme") == []
+
+
+@pytest.mark.parametrize("tenant_id", ["key.abc123", "KEY.abc123", "key."])
+async def test_tenant_ids_in_the_key_quota_namespace_are_refused(
+    store: TenantStore, redis_client: redis.asyncio.Redis, tenant_id: str
+) -> None:
+    """A tenant named like a key's own quota holder would see and drive that key's counters."""
+    with pytest.raises(InvalidLimits) as err:
+        await store.create_tenant(tenant_id, "x", TenantLimits())
+    assert err.value.param == "tenant_id" and "key." in str(err.value)
+    assert await redis_client.keys("*") == []
+
+
+async def test_a_deleted_tenant_takes_its_counters_usage_and_log_with_it(
+    store: TenantStore, redis_client: redis.asyncio.Redis, tmp_path
+) -> None:
+    from quota.journal import ReconcileJournal, journal_path
+    from quota.limiter import QuotaLimiter
+    from quota.usage import UsageConfig, UsagePart, UsageReader, choose_range, usage_record
+
+    config = UsageConfig()
+    tenant = await store.create_tenant("acme", "Acme", TenantLimits(tokens_per_minute=10_000))
+    issued = await store.create_key("acme", limits=TenantLimits(tokens_per_minute=500))
+    journal = ReconcileJournal(journal_path(tmp_path, "gw"))
+    limiter = QuotaLimiter(redis_client, owner_id="gw", journal=journal, usage=config)
+    res, _ = await limiter.reserve(tenant, "r1", 100)
+    record = usage_record(
+        request_id="r1",
+        key_id=issued.record.key_id,
+        model="small",
+        route="forced",
+        status=200,
+        latency_ms=10,
+        parts=[UsagePart("small", 10, 0, 5)],
+        finished_at_s=1_000_000.0,
+    )
+    await limiter.reconcile(res, 15, record)
+    reader = UsageReader(redis_client, config)
+    assert await reader.recent("acme")
+    prefix = "sy:{acme}:*"
+    assert await redis_client.keys(prefix)
+
+    assert await store.delete_tenant("acme")
+    assert await redis_client.keys(prefix) == []
+    await store.create_tenant("acme", "Someone else", TenantLimits())
+    assert await reader.recent("acme") == []
+    rng = choose_range(999_000.0, 1_001_000.0, "day", 1_001_000.0, config)
+    assert await reader.query("acme", rng, "day") == []
+    assert set(await redis_client.keys(prefix)) == {b"sy:{acme}:tenant"}
