@@ -11,7 +11,7 @@ from tests.support.cpu import runs_native_kernels
 from workers.engine.config import EngineConfig, SchedulerConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
-from workers.runner.runner import AVX2_SDPA_PROMPTS_OVER
+from workers.runner.plan import AVX2_SDPA_PROMPTS_OVER
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 

@@ -13,7 +13,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
 from workers.errors import CheckpointError
-from workers.runner.runner import plan_num_kv_blocks
+from workers.runner.plan import plan_num_kv_blocks
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

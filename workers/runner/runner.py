@@ -19,17 +19,27 @@ from workers.runner.decode_graphs import DecodeGraphs
 from workers.runner.decode_workspace import DecodeWorkspace
 from workers.runner.loader import load_weights, parse_dtype
 from workers.runner.memory import HugeArena, zeros
-from workers.runner.model import CausalLM
+from workers.runner.model import CausalLM, ModelWeights
 from workers.runner.packing import can_pack, map_linears, pack_weights
+from workers.runner.plan import (
+    kv_bytes_per_token,
+    kv_sink_slots,
+    num_cpus,
+    plan_graph_mode,
+    plan_max_model_len,
+    plan_num_kv_blocks,
+    plan_packing,
+    plan_sdpa_prompts_over,
+    plan_threads,
+    plan_workspace_rows,
+    uses_native_kernels,
+)
 from workers.runner.sampler import compute_logprobs, make_sampling_batch, sample
 
 if TYPE_CHECKING:
     from workers.tp.shard import RankShard
 
 log = logging.getLogger(__name__)
-
-NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what workers.runner.native's kernels take
-AVX2_SDPA_PROMPTS_OVER = 1024  # whole prompts longer than this: SDPA on an AVX2 CPU
 
 
 @dataclass
@@ -53,51 +63,6 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
-
-
-def plan_num_kv_blocks(
-    available_bytes: int,
-    fraction: float,
-    bytes_per_token: int,
-    block_size: int,
-    max_useful_tokens: int,
-    budget_bytes: int | None = None,
-) -> int:
-    """KV blocks within `fraction` of the free memory and `budget_bytes` (None: no budget),
-    no more than can ever be used."""
-    limit = int(available_bytes * fraction)
-    if budget_bytes is not None:
-        limit = min(limit, budget_bytes)
-    fit = limit // (bytes_per_token * block_size)
-    useful = -(-max_useful_tokens // block_size)
-    return max(min(fit, useful), 1)
-
-
-def plan_workspace_rows(
-    budget_bytes: int, bytes_per_token: int, tokens_per_row: int, max_rows: int
-) -> int:
-    """Decode-workspace rows: at most `max_rows` (one per sequence), within the budget,
-    at least one. Decodes beyond the rows gather their blocks instead."""
-    fit = budget_bytes // (bytes_per_token * tokens_per_row)
-    return max(min(max_rows, fit), 1)
-
-
-def plan_threads(configured: int | None, num_cpus: int, cap: int = 8) -> int:
-    """torch threads: the configured number, else the CPUs we may run on, at most `cap`."""
-    if configured is not None:
-        return max(configured, 1)
-    return max(min(num_cpus, cap), 1)
-
-
-def _num_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 class ModelRunner:
     """Runs one step of the model over a flat batch and samples the next tokens."""
 
@@ -109,135 +74,175 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.config = config
         self.shard = shard
-        self.num_threads = plan_threads(config.threads, _num_cpus())
+        self.num_threads = plan_threads(config.threads, num_cpus())
         torch.set_num_threads(self.num_threads)
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
         self.model_config = load_model_config(model_dir)
-        cfg = self.model_config
-        self.max_model_len = min(config.max_model_len or cfg.max_context, cfg.max_context)
-        if shard is None:
-            weights = load_weights(cfg, model_dir, self.dtype, self.device)
-        else:  # sized by this rank's share; self.model_config stays the whole model's
-            weights = shard.load_weights(cfg, model_dir, self.dtype, self.device)
-            cfg = shard.local_config(cfg)
+        self.max_model_len = plan_max_model_len(config.max_model_len, self.model_config.max_context)
+        native_cpu = uses_native_kernels(config.native_kernels, self.device, self.dtype)
+        cfg, weights = self._load_weights(model_dir)
         self.num_parameters = weights.num_parameters()
-        fused = None
-        native_cpu = (
-            config.native_kernels and self.device.type == "cpu" and self.dtype in NATIVE_DTYPES
+        self.model = self._build_model(cfg, weights, native_cpu)
+        self.block_size = config.block_size
+        self.num_kv_blocks = self._plan_kv_blocks(cfg)
+        self.kv_capacity_tokens = self.num_kv_blocks * self.block_size
+        graph_mode = plan_graph_mode(
+            config.decode_graphs, self.device, shard is None, config.decode_workspace_tokens
         )
-        if native_cpu:
-            fused = native.fused_ops()
+        self.kv_caches = self._allocate_kv_caches(cfg, graph_mode)
+        self.workspace = self._make_workspace(cfg)
+        self.graphs = self._make_graphs(graph_mode)
+        self._choose_attention_kernels(cfg, native_cpu)
+        self._log_plan(model_dir, cfg, graph_mode, time.perf_counter() - t0)
+
+    def _load_weights(self, model_dir: Path) -> tuple[ModelConfig, ModelWeights]:
+        """The weights this process holds and the config they are sized by: the whole
+        model's, or with a shard this rank's share (`self.model_config` stays the whole
+        model's)."""
+        cfg = self.model_config
+        if self.shard is None:
+            return cfg, load_weights(cfg, model_dir, self.dtype, self.device)
+        weights = self.shard.load_weights(cfg, model_dir, self.dtype, self.device)
+        return self.shard.local_config(cfg), weights
+
+    def _build_model(self, cfg: ModelConfig, weights: ModelWeights, native_cpu: bool) -> CausalLM:
+        """The forward pass and the kernels of its layers: the per-layer ops fused in our C++
+        where `native_cpu` (`fused_ops`), else torch's; the linear weights packed
+        (`packed`) into our kernel's tiles where it runs (`linear_kernel`) and on huge
+        pages, else into oneDNN's layout where it takes them, else left dense."""
+        config = self.config
+        fused = native.fused_ops() if native_cpu else None
         self.fused_ops = fused is not None
         onednn = can_pack(self.device, self.dtype)
         self.linear_kernel = None  # the native linear layers, when the weights use them
         if config.packed_weights and native_cpu:
             self.linear_kernel = native.linear(str(self.dtype).removeprefix("torch."))
-        self.packed = config.packed_weights and (onednn or self.linear_kernel is not None)
+        self.packed = plan_packing(config.packed_weights, onednn, self.linear_kernel is not None)
         if self.packed:
             weights = pack_weights(weights, self.linear_kernel, onednn)
         if self.linear_kernel is not None:  # our tiles, streamed every step: huge pages
             arena = HugeArena([w for w in weights.linears() if not w.is_mkldnn])
             weights = map_linears(weights, lambda w: w if w.is_mkldnn else arena.copy(w))
-        self.model = CausalLM(cfg, weights, self.max_model_len, shard, fused, self.packed)
-        self.block_size = config.block_size
-        per_token = kv_bytes_per_token(cfg, self.dtype)
+        return CausalLM(cfg, weights, self.max_model_len, self.shard, fused, self.packed)
+
+    def _plan_kv_blocks(self, cfg: ModelConfig) -> int:
+        """Blocks in the KV pool: the configured number, else what fits in
+        `kv_memory_fraction` of the memory free now (the weights loaded) and in
+        `kv_cache_gib`, no more than `max_num_seqs` sequences of `max_model_len` can use.
+        The ranks of a shard group agree on their least."""
+        config = self.config
         if config.num_kv_blocks is not None:
-            self.num_kv_blocks = config.num_kv_blocks
+            num_blocks = config.num_kv_blocks
         else:
             assert config.scheduler is not None
-            self.num_kv_blocks = plan_num_kv_blocks(
+            num_blocks = plan_num_kv_blocks(
                 available_memory_bytes(self.device),
                 config.kv_memory_fraction,
-                per_token,
+                kv_bytes_per_token(cfg, self.dtype),
                 self.block_size,
                 config.scheduler.max_num_seqs * self.max_model_len,
                 None if config.kv_cache_gib is None else int(config.kv_cache_gib * 2**30),
             )
-        if shard is not None:  # every rank holds the same blocks (of its own KV heads)
-            self.num_kv_blocks = shard.agree_min(self.num_kv_blocks)
-        num_slots = self.num_kv_blocks * self.block_size
-        graphs = _graph_mode(config, self.device, shard is None)
-        # Decode graphs pad a step to its bucket; the padding rows write their K/V to a
-        # block past the pool, which no request is ever given.
-        sink = self.block_size if graphs != "off" else 0
-        shape = (cfg.num_kv_heads, num_slots + sink, cfg.head_dim)
-        self.kv_caches = [
+        if self.shard is not None:  # every rank holds the same blocks (of its own KV heads)
+            num_blocks = self.shard.agree_min(num_blocks)
+        return num_blocks
+
+    def _allocate_kv_caches(
+        self, cfg: ModelConfig, graph_mode: str
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's K and V tensors, [KV heads, slots, head dim]: the pool's slots and,
+        where decode graphs run, a sink block past them (`plan.kv_sink_slots`)."""
+        num_slots = self.kv_capacity_tokens + kv_sink_slots(graph_mode, self.block_size)
+        shape = (cfg.num_kv_heads, num_slots, cfg.head_dim)
+        return [
             (zeros(shape, self.dtype, self.device), zeros(shape, self.dtype, self.device))
             for _ in range(cfg.num_layers)
         ]
-        self.kv_capacity_tokens = num_slots
-        self.workspace = None
-        if config.decode_workspace_tokens > 0:
-            assert config.scheduler is not None
-            row_tokens = min(config.decode_workspace_tokens, self.max_model_len)
-            rows = plan_workspace_rows(
-                int(config.decode_workspace_gib * 2**30),
-                per_token,
-                row_tokens,
-                config.scheduler.max_num_seqs,
-            )
-            self.workspace = DecodeWorkspace(
-                cfg.num_layers,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-                rows,
-                row_tokens,
-                self.dtype,
-                self.device,
-            )
-        self.graphs = None
-        if graphs != "off" and self.workspace is not None:
-            self.graphs = DecodeGraphs(
-                self.model,
-                self.kv_caches,
-                self.block_size,
-                self.workspace,
-                num_slots,
-                self.device,
-                capture=graphs == "auto",
-            )
-        # Prompt chunks attend through our kernel where it runs (head dim 64/128, AVX-512 or
-        # AVX2). On AVX2 it runs 8 lanes wide, and torch's causal SDPA kernel overtakes it on
-        # long whole prompts (Zen 3, a step of 2,048 prompt tokens, ours against SDPA: 4 x
-        # 512 fp32 1,047 vs 1,154 ms, bf16 1,029 vs 1,182; 2 x 1,024 fp32 level, bf16 1,129
-        # vs 1,217; 1 x 2,048 fp32 1,465 vs 1,407, bf16 1,371 vs 1,347).
+
+    def _make_workspace(self, cfg: ModelConfig) -> DecodeWorkspace | None:
+        """The decode workspace (None: `decode_workspace_tokens` is 0): rows of that many
+        tokens (at most `max_model_len`), as many as `decode_workspace_gib` holds, at most
+        one per sequence."""
+        config = self.config
+        if config.decode_workspace_tokens <= 0:
+            return None
+        assert config.scheduler is not None
+        row_tokens = min(config.decode_workspace_tokens, self.max_model_len)
+        rows = plan_workspace_rows(
+            int(config.decode_workspace_gib * 2**30),
+            kv_bytes_per_token(cfg, self.dtype),
+            row_tokens,
+            config.scheduler.max_num_seqs,
+        )
+        return DecodeWorkspace(
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            rows,
+            row_tokens,
+            self.dtype,
+            self.device,
+        )
+
+    def _make_graphs(self, graph_mode: str) -> DecodeGraphs | None:
+        """Per-bucket decode graphs over the workspace (None: `graph_mode` is "off" or
+        there is no workspace), captured as CUDA graphs on first use where "auto"."""
+        if graph_mode == "off" or self.workspace is None:
+            return None
+        return DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            self.block_size,
+            self.workspace,
+            self.kv_capacity_tokens,
+            self.device,
+            capture=graph_mode == "auto",
+        )
+
+    def _choose_attention_kernels(self, cfg: ModelConfig, native_cpu: bool) -> None:
+        """Our attention kernels, each None where it does not run (off the CPU, another
+        dtype or head dim, not built): prompt chunks (`prefill_kernel`, which long whole
+        prompts on an AVX2 CPU leave for SDPA: `sdpa_prompts_over`), decodes that read
+        their blocks in place (`paged_kernel`) and decodes in workspace rows
+        (`decode_kernel`)."""
         self.prefill_kernel = None
         self.sdpa_prompts_over: int | None = None
-        if native_cpu:
-            self.prefill_kernel = native.prefill_attention(config.dtype, cfg.head_dim)
-            if (
-                self.prefill_kernel is not None
-                and torch.backends.cpu.get_cpu_capability() == "AVX2"
-            ):
-                self.sdpa_prompts_over = AVX2_SDPA_PROMPTS_OVER
-        # Decodes without a workspace row read their blocks in place through our kernel.
         self.paged_kernel = None
-        if native_cpu:
-            self.paged_kernel = native.paged_decode_attention()
         self.decode_kernel = None
-        if self.workspace is not None and native_cpu:
+        if not native_cpu:
+            return
+        self.prefill_kernel = native.prefill_attention(self.config.dtype, cfg.head_dim)
+        if self.prefill_kernel is not None:
+            self.sdpa_prompts_over = plan_sdpa_prompts_over(torch.backends.cpu.get_cpu_capability())
+        self.paged_kernel = native.paged_decode_attention()
+        if self.workspace is not None:
             self.decode_kernel = native.decode_attention()
+
+    def _log_plan(self, model_dir: Path, cfg: ModelConfig, graph_mode: str, load_s: float) -> None:
+        """One line for the model, its kernels and the KV pool; one each for the decode
+        graphs and the workspace where they run."""
+        num_slots = self.kv_capacity_tokens
         log.info(
             "loaded %s (%s, %.1fM parameters, %s%s on %s, %d threads) in %.1fs; KV cache holds "
             "%d tokens (%d blocks of %d, %.2f GiB)",
             model_dir,
             cfg.architecture,
             self.num_parameters / 1e6,
-            config.dtype,
+            self.config.dtype,
             _packing(self.packed, self.linear_kernel is not None),
             self.device,
             self.num_threads,
-            time.perf_counter() - t0,
+            load_s,
             num_slots,
             self.num_kv_blocks,
             self.block_size,
-            num_slots * per_token / 2**30,
+            num_slots * kv_bytes_per_token(cfg, self.dtype) / 2**30,
         )
         if self.graphs is not None:
             log.info(
                 "decode graphs: %s, batch buckets %s, context buckets %s",
-                "CUDA graphs, each captured on first use" if graphs == "auto" else "eager",
+                "CUDA graphs, each captured on first use" if graph_mode == "auto" else "eager",
                 self.graphs.batches,
                 self.graphs.contexts,
             )
@@ -384,17 +389,6 @@ class ModelRunner:
             meta.prefills.append(PrefillSeq(row, n, ctx, block_ids, first))
             row += n
         return meta
-
-
-def _graph_mode(config: EngineConfig, device: torch.device, whole_model: bool) -> str:
-    """ "auto" (capture CUDA graphs), "eager" (the same buckets, run eagerly) or "off":
-    graphs need the whole model here (a shard group's collectives are not captured)."""
-    mode = config.decode_graphs
-    if not whole_model or config.decode_workspace_tokens <= 0:
-        return "off"
-    if mode == "auto" and device.type != "cuda":
-        return "off"
-    return mode
 
 
 def _packing(packed: bool, native: bool) -> str:

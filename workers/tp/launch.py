@@ -25,7 +25,7 @@ import torch.distributed as dist
 from workers.engine.config import EngineConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.models.model_config import load_model_config
-from workers.runner.runner import _num_cpus, plan_threads
+from workers.runner.plan import num_cpus, plan_threads
 from workers.tp.config import ShardConfig
 from workers.tp.group import STOP, HeartbeatThread, ShardGroup, ShardGroupError, rank_device
 from workers.tp.plan import check_shardable
@@ -38,7 +38,7 @@ def rank_engine_config(config: EngineConfig, rank: int, size: int) -> EngineConf
     """Rank r's engine settings: its own device; on a CPU the threads split over ranks."""
     threads = config.threads
     if threads is None and rank_device(config.device, 0).type == "cpu":
-        threads = max(plan_threads(None, _num_cpus()) // size, 1)
+        threads = max(plan_threads(None, num_cpus()) // size, 1)
     return dataclasses.replace(
         config, device=str(rank_device(config.device, rank)), threads=threads
     )
