@@ -51,7 +51,7 @@ class EngineConfig:
     # Workspace decodes on the CPU attend through our C++ kernel (`workers.runner.native`) when it
     # builds here, in float32 and bfloat16; False (or SWITCHYARD_NATIVE_KERNELS=0) = torch.
     native_kernels: bool = True
-    # On the CPU, linear weights are reordered once at load (`workers.runner.model.pack_weights`):
+    # On the CPU, linear weights are reordered once at load (`workers.runner.packing.pack_weights`):
     # into our kernel's tiles (`workers/runner/native/linear.cpp`; AVX-512, bf16 AVX512-BF16, or
     # AVX2), else oneDNN's blocked layout (bf16 on AVX2: dense, oneDNN cannot run it).
     # Faster matmuls, same memory but for a packed copy of a tied
