@@ -40,8 +40,10 @@ def _add_limits(p: argparse.ArgumentParser, clearable: bool) -> None:
         )
 
 
-def add_admin_parser(sub: Any) -> None:
-    admin = sub.add_parser("admin", help="tenants, keys, routing, usage and fleet (admin API)")
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    admin = subparsers.add_parser(
+        "admin", help="tenants, keys, routing, usage and fleet (admin API)"
+    )
     admin.add_argument(
         "--url", default=None, help="the gateway (default: the local `switchyard serve`; :8000)"
     )
@@ -111,7 +113,7 @@ def add_admin_parser(sub: Any) -> None:
     ck.add_argument("--expires-in", type=float, default=None, metavar="DAYS")
     acts.add_parser("list-tenants", help="= tenant list")
     acts.add_parser("revoke-key", help="= key revoke").add_argument("key_id")
-    admin.set_defaults(func=cmd_admin)
+    admin.set_defaults(run=run)
 
 
 def admin_key(args: argparse.Namespace, url: str) -> str | None:
@@ -126,7 +128,8 @@ def admin_key(args: argparse.Namespace, url: str) -> str | None:
     return os.environ.get("SWITCHYARD_ADMIN_KEY") or local_admin_key(cache_dir(None), url)
 
 
-def cmd_admin(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """Open a client on the gateway's /admin, then dispatch on (action, op) in `_run`."""
     import httpx
 
     from cli.commands.models import cache_dir

@@ -6,6 +6,7 @@ Imports happen inside the command functions so `switchyard --help` stays fast.
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -350,9 +351,29 @@ def _cmd_check_default(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_cascade_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Add `cascade` with `train`, `eval`, `score` and `bench-score`."""
+# The `cascade` action -> its handler.
+ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "train": _cmd_train,
+    "eval": _cmd_eval,
+    "eval-adapt": _cmd_eval_adapt,
+    "export-labels": _cmd_export_labels,
+    "promote": _cmd_promote,
+    "rollback": _cmd_rollback,
+    "retrain": _cmd_retrain,
+    "check-default": _cmd_check_default,
+    "score": _cmd_score,
+    "bench-score": _cmd_bench_score,
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    return ACTIONS[args.action](args)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Add `cascade` and one parser per action (the keys of ACTIONS)."""
     cascade = subparsers.add_parser("cascade", help="the difficulty classifier of the router")
+    cascade.set_defaults(run=run)
     sub = cascade.add_subparsers(dest="action", required=True)
     data_help = "CSV/JSONL of (prompt, weak_ok, strong_ok[, group]) or a directory of them"
     clf_help = "classifier artifact directory (default: the shipped difficulty-v1)"
@@ -370,7 +391,6 @@ def add_cascade_parser(subparsers: argparse._SubParsersAction) -> None:
     tr.add_argument("--num-reference", type=int, default=1000, help="held-out reference sample")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--quick", action="store_true", help="tiny search: a smoke run, not to ship")
-    tr.set_defaults(func=_cmd_train)
 
     ev = sub.add_parser("eval", help="grouped and random CV: cost-quality curves, APGR, CPT")
     ev.add_argument("--data", required=True, help=data_help)
@@ -382,7 +402,6 @@ def add_cascade_parser(subparsers: argparse._SubParsersAction) -> None:
     ev.add_argument("--n-jobs", type=int, default=1, help="folds trained in parallel")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--quick", action="store_true", help="tiny search: a smoke run")
-    ev.set_defaults(func=_cmd_eval)
 
     ea = sub.add_parser(
         "eval-adapt", help="adaptation simulation: subjects held out as tenant domains"
@@ -394,7 +413,6 @@ def add_cascade_parser(subparsers: argparse._SubParsersAction) -> None:
     ea.add_argument("--sizes", type=int, nargs="+", default=[50, 200, 1000])
     ea.add_argument("--max-domains", type=int, default=None, help="per seed (default: all)")
     ea.add_argument("--quick", action="store_true", help="tiny search: a smoke run")
-    ea.set_defaults(func=_cmd_eval_adapt)
 
     def gateway_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--tenant", required=True)
@@ -406,7 +424,6 @@ def add_cascade_parser(subparsers: argparse._SubParsersAction) -> None:
     gateway_args(el)
     el.add_argument("--out", required=True, help="JSONL file to write")
     el.add_argument("--split", choices=("train", "holdout", "all"), default="train")
-    el.set_defaults(func=_cmd_export_labels)
 
     pr = sub.add_parser("promote", help="upload a tenant's classifier; checked on held-out labels")
     gateway_args(pr)
@@ -414,11 +431,9 @@ def add_cascade_parser(subparsers: argparse._SubParsersAction) -> None:
     what.add_argument("--artifact", help="artifact directory to upload")
     what.add_argument("--version", type=int, help="a version stored before (roll forward/back)")
     pr.add_argument("--force", action="store_true", help="skip the held-out check (audited)")
-    pr.set_defaults(func=_cmd_promote)
 
     rb = sub.add_parser("rollback", help="a tenant back to its previous classifier")
     gateway_args(rb)
-    rb.set_defaults(func=_cmd_rollback)
 
     rt = sub.add_parser("retrain", help="export-labels + train --adapt + promote, for one tenant")
     gateway_args(rt)
@@ -427,7 +442,6 @@ def add_cascade_parser(subparsers: argparse._SubParsersAction) -> None:
     rt.add_argument("--force", action="store_true", help="promote even if not better (audited)")
     rt.add_argument("--seed", type=int, default=0)
     rt.add_argument("--quick", action="store_true", help="tiny search: tests and smoke runs")
-    rt.set_defaults(func=_cmd_retrain)
 
     cd = sub.add_parser(
         "check-default", help="the shipped procedure vs length on subjects held out of tuning"
@@ -436,16 +450,13 @@ def add_cascade_parser(subparsers: argparse._SubParsersAction) -> None:
     cd.add_argument("--out", default=None, help="also write the JSON here")
     cd.add_argument("--prior-weights", type=float, nargs="+", default=None)
     cd.add_argument("--seed", type=int, default=0)
-    cd.set_defaults(func=_cmd_check_default)
 
     sc = sub.add_parser("score", help='score JSONL on stdin: {"prompt"} or {"messages"}')
     sc.add_argument("--classifier", default=None, help=clf_help)
     sc.add_argument("--explain", type=int, default=0, help="add the top N feature contributions")
-    sc.set_defaults(func=_cmd_score)
 
     bs = sub.add_parser("bench-score", help="scoring latency p50/p99 on one core")
     bs.add_argument("--classifier", default=None, help=clf_help)
     bs.add_argument("--data", default=None, help=data_help + " (default: synthetic prompts)")
     bs.add_argument("--num", type=int, default=3000, help="prompts to time")
     bs.add_argument("--out", default=None, help="also write the JSON here")
-    bs.set_defaults(func=_cmd_bench_score)

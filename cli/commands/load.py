@@ -97,7 +97,7 @@ def _view(stats_now: dict, fleet: dict, t: float, duration_s: float):  # noqa: A
     return Group(table, pools)
 
 
-def _cmd_load(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from benchmarks.loadgen import MIXES, LoadOptions, LoadStats, report_dict, run_load
     from cli.commands.models import cache_dir
     from cli.serve.state import local_admin_key, local_stack
@@ -185,8 +185,8 @@ def _cmd_load(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_load_parser(sub: argparse._SubParsersAction) -> None:
-    load = sub.add_parser(
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    load = subparsers.add_parser(
         "load",
         help="open-loop load against the running stack, with a live view and a JSON report",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -206,4 +206,4 @@ def add_load_parser(sub: argparse._SubParsersAction) -> None:
     )
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--out", default="bench-results/load-report.json", help="the JSON report")
-    load.set_defaults(func=_cmd_load)
+    load.set_defaults(run=run)

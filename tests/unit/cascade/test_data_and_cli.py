@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cascade.data import DatasetError, load_dataset
-from cli.commands.cascade import add_cascade_parser
+from cli.commands import cascade as cascade_command
 from tests.unit.cascade.conftest import synthetic_rows, write_csv
 
 ROUTELLM = ("mistralai/Mixtral-8x7B-Instruct-v0.1", "gpt-4-1106-preview")
@@ -17,9 +17,9 @@ ROUTELLM = ("mistralai/Mixtral-8x7B-Instruct-v0.1", "gpt-4-1106-preview")
 
 def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="switchyard")
-    add_cascade_parser(parser.add_subparsers(dest="command", required=True))
+    cascade_command.add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    return args.func(args)
+    return args.run(args)
 
 
 def test_routellm_directory_layout_uses_file_stems_as_groups(tmp_path: Path) -> None:

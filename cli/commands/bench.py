@@ -1,0 +1,177 @@
+"""`switchyard bench engine | worker | gateway | upstream | autoscale`: measured comparisons."""
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+
+def _cmd_engine(args: argparse.Namespace) -> int:
+    if args.tensor_parallel is not None:
+        from benchmarks.engine_tp import TPBenchOptions, run_tp_bench
+
+        run_tp_bench(
+            TPBenchOptions(
+                out_dir=Path(args.out),
+                tensor_parallel=args.tensor_parallel,
+                num_requests=args.num_requests,
+                quick=args.quick,
+                device=args.device,
+                model_dir=Path(args.model) if args.model else None,
+            )
+        )
+        return 0
+    from benchmarks.engine_bench import BenchOptions, run_engine_bench
+
+    opts = BenchOptions(
+        out_dir=Path(args.out),
+        num_requests=args.num_requests,
+        hf_sample=args.hf_sample,
+        quick=args.quick,
+        scenarios=args.scenarios.split(","),
+        model_dir=Path(args.model) if args.model else None,
+        dtypes=args.dtypes.split(","),
+    )
+    run_engine_bench(opts)
+    return 0
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from benchmarks.engine_bench import BenchOptions
+    from benchmarks.worker_bench import run_worker_bench
+
+    run_worker_bench(
+        BenchOptions(out_dir=Path(args.out), num_requests=args.num_requests, quick=args.quick)
+    )
+    return 0
+
+
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    from benchmarks.gateway_bench import GatewayBenchOptions, run_gateway_bench
+    from benchmarks.gateway_paths import PeerOptions
+
+    if args.peer and args.peer_cmd:
+        print("error: --peer and --peer-cmd are alternatives; give one", file=sys.stderr)
+        return 2
+    peer = PeerOptions(
+        url=args.peer,
+        pid=args.peer_pid,
+        cmd=args.peer_cmd,
+        ready_path=args.peer_ready_path,
+        key=args.peer_key,
+        model=args.peer_model,
+    )
+    run_gateway_bench(
+        GatewayBenchOptions(
+            Path(args.out),
+            quick=args.quick,
+            overload_s=args.overload_s,
+            backend_port=args.backend_port,
+            peer=peer,
+        )
+    )
+    return 0
+
+
+def _cmd_upstream(args: argparse.Namespace) -> int:
+    from benchmarks.upstream_clients import UpstreamBenchOptions, run_upstream_bench
+
+    run_upstream_bench(UpstreamBenchOptions(Path(args.out), args.requests, args.quick))
+    return 0
+
+
+def _cmd_autoscale(args: argparse.Namespace) -> int:
+    from benchmarks.autoscale.bench import AutoscaleBenchOptions, run_autoscale_bench
+
+    run_autoscale_bench(AutoscaleBenchOptions(Path(args.out), quick=args.quick, seed=args.seed))
+    return 0
+
+
+# The bench target (`args.target`) -> its handler.
+ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "engine": _cmd_engine,
+    "worker": _cmd_worker,
+    "gateway": _cmd_gateway,
+    "upstream": _cmd_upstream,
+    "autoscale": _cmd_autoscale,
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    return ACTIONS[args.target](args)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    bench_parser = subparsers.add_parser("bench", help="measured comparisons")
+    bench_parser.set_defaults(run=run)
+    bench = bench_parser.add_subparsers(dest="target", required=True)
+    be = bench.add_parser("engine", help="engine vs transformers generate / generate_batch")
+    be.add_argument("--out", default="bench-results", help="where JSON and markdown go")
+    be.add_argument("--num-requests", type=int, default=64)
+    be.add_argument("--hf-sample", type=int, default=8, help="requests timed for one-at-a-time HF")
+    be.add_argument("--quick", action="store_true", help="a small smoke run, not the real figures")
+    be.add_argument(
+        "--scenarios",
+        default="throughput,decode,prefix,chunked",
+        help="comma list of throughput,decode,levers,prefix,chunked,structured",
+    )
+    be.add_argument(
+        "--model", default=None, help="a local checkpoint dir (default: a random ~32M Llama)"
+    )
+    be.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help="comma list: throughput and roofline run once per dtype, beside transformers",
+    )
+    be.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=None,
+        metavar="N",
+        help="instead of the scenarios: the engine over N ranks beside N = 1 (engine-tp report)",
+    )
+    be.add_argument("--device", default="cpu", help="with --tensor-parallel: cpu or cuda")
+    bw = bench.add_parser("worker", help="worker over HTTP (streaming) vs the in-process engine")
+    bw.add_argument("--out", default="bench-results", help="where JSON and markdown go")
+    bw.add_argument("--num-requests", type=int, default=64)
+    bw.add_argument("--quick", action="store_true", help="a small smoke run, not the real figures")
+    bg = bench.add_parser("gateway", help="gateway in front of a fake backend vs the backend alone")
+    bg.add_argument("--out", default="bench-results", help="where JSON and markdown go")
+    bg.add_argument("--quick", action="store_true", help="a small smoke run, not the real figures")
+    bg.add_argument("--overload-s", type=float, default=60.0, help="length of the overload run")
+    bg.add_argument(
+        "--backend-port", type=int, default=None, help="put the fake backend on this port"
+    )
+    bg.add_argument(
+        "--peer",
+        default=None,
+        metavar="URL",
+        help="a peer gateway started by hand in front "
+        "of the fake backend (see --backend-port), measured beside Switchyard",
+    )
+    bg.add_argument(
+        "--peer-pid", type=int, default=None, help="the --peer's process, for its CPU figure"
+    )
+    bg.add_argument(
+        "--peer-cmd",
+        default=None,
+        metavar="TEMPLATE",
+        help="a shell command that starts a peer gateway; {backend} (fake backend base URL), "
+        "{port} (a free port for the peer) and {dir} (a temp dir) are filled in "
+        "(docs/benchmarks/gateway-peer.md)",
+    )
+    bg.add_argument(
+        "--peer-ready-path", default="/health", help="polled until the peer answers 200"
+    )
+    bg.add_argument(
+        "--peer-key", default=None, help="bearer token sent to the peer (default: a dummy)"
+    )
+    bg.add_argument("--peer-model", default="small", help="model name sent to the peer")
+    bu = bench.add_parser("upstream", help="upstream HTTP clients' CPU per request, side by side")
+    bu.add_argument("--out", default="bench-results", help="where JSON and markdown go")
+    bu.add_argument("--requests", type=int, default=4000, help="requests per client and mode")
+    bu.add_argument("--quick", action="store_true", help="a small smoke run, not the real figures")
+    ba = bench.add_parser("autoscale", help="autoscaler vs baselines and oracles, in simulation")
+    ba.add_argument("--out", default="bench-results", help="where JSON and markdown go")
+    ba.add_argument("--quick", action="store_true", help="a small smoke run, not the real figures")
+    ba.add_argument("--seed", type=int, default=0, help="the arrivals' random seed")
