@@ -84,15 +84,20 @@ def validate_tenant_id(tenant_id: object) -> str:
     return tenant_id
 
 
+MAX_LIMIT = 2**53  # Lua counts in doubles: past this, a counter no longer adds up exactly
+
+
 def validate_limits(limits: TenantLimits) -> TenantLimits:
-    """Every limit must be `None` or a positive int; raise InvalidLimits(param="limits.<f>")."""
+    """Every limit must be `None` or an int in [1, MAX_LIMIT]; raise
+    InvalidLimits(param="limits.<f>")."""
     for f in fields(limits):
         value = getattr(limits, f.name)
         if value is None:
             continue
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_LIMIT:
             raise InvalidLimits(
-                f"limits.{f.name} must be a positive integer or null, got {value!r}",
+                f"limits.{f.name} must be a positive integer up to {MAX_LIMIT} or null, "
+                f"got {value!r}",
                 param=f"limits.{f.name}",
             )
     return limits

@@ -7,6 +7,7 @@ deleted and created again under the same id does not inherit the old keys.
 
 import functools
 import json
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -206,9 +207,15 @@ class TenantStore:
         if limits is not None:
             limits = validate_limits(limits)
         if expires_at is not None and (
-            not isinstance(expires_at, int | float) or isinstance(expires_at, bool)
+            not isinstance(expires_at, int | float)
+            or isinstance(expires_at, bool)
+            or not math.isfinite(expires_at)
         ):
             raise InvalidLimits("expires_at must be unix seconds or null", param="expires_at")
+        if expires_at is not None and expires_at <= self._clock():
+            raise InvalidLimits(
+                "expires_at is in the past: the key would never authenticate", param="expires_at"
+            )
         tenant = await self._tenant_doc(tenant_id)
         if tenant is None:
             raise TenantNotFound(tenant_id)

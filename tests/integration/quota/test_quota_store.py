@@ -214,3 +214,25 @@ async def test_a_deleted_tenant_takes_its_counters_usage_and_log_with_it(
     rng = choose_range(999_000.0, 1_001_000.0, "day", 1_001_000.0, config)
     assert await reader.query("acme", rng, "day") == []
     assert set(await redis_client.keys(prefix)) == {b"sy:{acme}:tenant"}
+
+
+@pytest.mark.parametrize("expires_at", [999_995.0, 1_000_000.0, float("nan"), float("inf")])
+async def test_a_key_expired_at_creation_or_with_no_real_expiry_is_refused(
+    store: TenantStore, clock: FakeClock, expires_at: float
+) -> None:
+    """`switchyard admin create-key --expires-in -5` made a key that never worked."""
+    await store.create_tenant("acme", "Acme", TenantLimits())
+    with pytest.raises(InvalidLimits) as err:
+        await store.create_key("acme", expires_at=expires_at)
+    assert err.value.param == "expires_at"
+    assert await store.list_keys("acme") == []
+
+
+@pytest.mark.parametrize("value", [10**30, 2**53 + 1])
+async def test_limits_past_what_a_counter_holds_exactly_are_refused(
+    store: TenantStore, value: int
+) -> None:
+    with pytest.raises(InvalidLimits) as err:
+        await store.create_tenant("acme", "Acme", TenantLimits(tokens_per_day=value))
+    assert err.value.param == "limits.tokens_per_day"
+    await store.create_tenant("acme", "Acme", TenantLimits(tokens_per_day=2**53))
