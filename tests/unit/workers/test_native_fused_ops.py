@@ -1,7 +1,7 @@
 """The native fused per-layer ops against torch's (`workers.runner.ops.TorchOps`).
 
 bf16 must agree but for rare steps of an ulp or two (RMSNorm's fp32 sum is reassociated,
-SiLU's exp is libmvec's: one intermediate rounded the other way); fp32 to a few ulps.
+SiLU's exp is vec_math.h's: one intermediate rounded the other way); fp32 to a few ulps.
 Built here, or the test fails (it does not skip)."""
 
 from types import SimpleNamespace
@@ -57,6 +57,19 @@ def test_norm_and_residual_add(ops, dtype, rows):
 def test_silu_mul(ops, dtype, rows):
     native_ops, torch_ops = ops
     gate_up = (torch.randn(rows, 2 * 80, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    close(native_ops.silu_mul(gate_up), torch_ops.silu_mul(gate_up), dtype)
+
+
+@DTYPES
+def test_silu_mul_at_every_bf16_gate(ops, dtype):
+    """Every finite bf16 value as a gate (tiny, huge, both signs; rows of 83, so each ends
+    in a partial vector): vec_math.h's SiLU, exp and division, agrees with torch's. Up in
+    [0.25, 1), so that no product overflows."""
+    native_ops, torch_ops = ops
+    v = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gate = v[torch.isfinite(v)][: 786 * 83].view(786, 83).to(dtype)
+    up = (0.25 + 0.75 * torch.rand(786, 83, generator=torch.Generator().manual_seed(2))).to(dtype)
+    gate_up = torch.cat([gate, up], dim=1)
     close(native_ops.silu_mul(gate_up), torch_ops.silu_mul(gate_up), dtype)
 
 

@@ -2,9 +2,9 @@
 // torch runs several ops (and, in bf16, a conversion round trip between each).
 //
 // Every rounding to the storage dtype that torch makes is made here too, in the same
-// order. Built with -ffast-math so the loops vectorise (exp included, through libmvec):
-// results may differ from torch's in the last bit of a sum (RMSNorm's sum of squares),
-// of exp (SiLU) or of a fused multiply-add (rotary), never more.
+// order. Built with -ffast-math so the loops vectorise: results may differ from torch's in
+// the last bit of a sum (RMSNorm's sum of squares), of exp (SiLU: vec_math.h's, shared
+// with linear.cpp's fused MLP up) or of a fused multiply-add (rotary), never more.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -14,10 +14,13 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+
+#include "vec_math.h"
 
 namespace {
 
@@ -213,6 +216,52 @@ void rope_heads(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   });
 }
 
+// silu(gate) * up in vectors of the SiLU in vec_math.h, which linear.cpp's `linear_silu`
+// runs too, so that it and this (after the linear) give the same bits: GCC's own
+// vectorisation of `x / (1 + exp(-x))` (libmvec's exp, a reciprocal estimate for the
+// division, at the vector width the CPU's tuning prefers) rounded a SiLU an ulp away from
+// the fused kernel's on Sapphire Rapids. A row's last width % lanes values go through a
+// zero-padded vector, so that every value gets the same arithmetic.
+#if defined(__AVX512F__)
+struct SiluLanes {
+  static constexpr int64_t n = 16;
+  static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 load(const at::BFloat16* p) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+  template <typename T>
+  static __m512 silu_mul(__m512 g, __m512 u) {
+    return switchyard::silu_mul16<std::is_same_v<T, at::BFloat16>>(g, u);
+  }
+  static void store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+  static void store(at::BFloat16* p, __m512 v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtepi32_epi16(switchyard::bf16_round16(v)));
+  }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+struct SiluLanes {
+  static constexpr int64_t n = 8;
+  static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+  static __m256 load(const at::BFloat16* p) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  }
+  template <typename T>
+  static __m256 silu_mul(__m256 g, __m256 u) {
+    return switchyard::silu_mul8<std::is_same_v<T, at::BFloat16>>(g, u);
+  }
+  static void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+  static void store(at::BFloat16* p, __m256 v) {
+    const __m256i bits = switchyard::bf16_round8(v);  // each in a 32-bit lane's low half
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(bits),
+                                      _mm256_extracti128_si256(bits, 1)));
+  }
+};
+#endif
+
 // silu(gate) * up, with gate and up the two halves of each row of `gate_up`.
 template <typename T>
 void silu_mul_rows(const at::Tensor& gate_up, const at::Tensor& out) {
@@ -225,12 +274,26 @@ void silu_mul_rows(const at::Tensor& gate_up, const at::Tensor& out) {
       const T* g = gp + i * gs;
       const T* u = g + width;
       T* o = op + i * width;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+      using V = SiluLanes;
+      int64_t j = 0;
+      for (; j + V::n <= width; j += V::n)
+        V::store(o + j, V::silu_mul<T>(V::load(g + j), V::load(u + j)));
+      if (j < width) {
+        T gt[V::n] = {}, ut[V::n] = {}, ot[V::n];
+        std::memcpy(gt, g + j, (width - j) * sizeof(T));
+        std::memcpy(ut, u + j, (width - j) * sizeof(T));
+        V::store(ot, V::silu_mul<T>(V::load(gt), V::load(ut)));
+        std::memcpy(o + j, ot, (width - j) * sizeof(T));
+      }
+#else
 #pragma omp simd
       for (int64_t j = 0; j < width; ++j) {
         const float x = load(g + j);
         const float act = round_to(x / (1.f + std::exp(-x)), g);
         store(o + j, act * load(u + j));
       }
+#endif
     }
   });
 }

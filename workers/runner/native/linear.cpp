@@ -39,8 +39,10 @@
 // batch 64 0.59 -> 0.47 ms, 2,048 tokens 17.8 -> 15.1 ms).
 //
 // Numerics: fp32 accumulation (in a different order from oneDNN's), the bias added in
-// fp32, bf16 rounded once at the end, as torch's linear. `linear_silu` rounds where the
-// two-pass path stores (bf16: the same bits as fused_ops.silu_mul(linear(...))).
+// fp32, bf16 rounded once at the end, as torch's linear. `linear_silu` gives the same bits
+// as fused_ops.silu_mul(linear(...)) in both dtypes: its gate and up sums are the linear's,
+// rounded as the linear stores them; the SiLU and product are vec_math.h's `silu_mul16` (or
+// `silu_mul8`), which silu_mul runs too, rounded as silu_mul rounds them.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -102,10 +104,17 @@ using Lanes = __m512;
 inline Lanes lanes_load(const float* p) { return _mm512_loadu_ps(p); }
 inline void lanes_store(float* p, Lanes v) { _mm512_storeu_ps(p, v); }
 inline Lanes lanes_add(Lanes a, Lanes b) { return _mm512_add_ps(a, b); }
-inline Lanes lanes_mul(Lanes a, Lanes b) { return _mm512_mul_ps(a, b); }
-inline Lanes silu(Lanes g) {
-  const __m512 e = switchyard::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+
+// silu(g) * u as fused_ops.silu_mul computes it (vec_math.h's, the SiLU rounded to T), and
+// its store, rounded as silu_mul rounds.
+template <typename T>
+inline Lanes silu_mul(Lanes g, Lanes u) {
+  return switchyard::silu_mul16<!std::is_same_v<T, float>>(g, u);
+}
+inline void store_product16(float* out, __m512 y) { _mm512_storeu_ps(out, y); }
+inline void store_product16(uint16_t* out, __m512 y) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm512_cvtepi32_epi16(switchyard::bf16_round16(y)));
 }
 
 inline void store16(float* out, __m512 y) { _mm512_storeu_ps(out, y); }
@@ -180,10 +189,15 @@ __attribute__((always_inline)) inline void tile(const T* x, int64_t xs, const T*
         acc[0][m][c] = St::fma(acc[0][m][c], xv, St::weights(w + c * 16 * kStep<T>));
     }
   }
+  // The partial sums added in this order wherever the tile is inlined: a plain add
+  // (_mm512_add_ps is a vector `+`) -ffast-math lets GCC reassociate, and it did so
+  // differently in linear's copies and linear_silu's (fp32, 1 or 7 rows: KU 4), so that
+  // their sums differed; an add with its rounding named is an instruction it keeps.
   for (int m = 0; m < MR; ++m)
     for (int c = 0; c < 4; ++c) {
       __m512 y = acc[0][m][c];
-      for (int u = 1; u < KU; ++u) y = _mm512_add_ps(y, acc[u][m][c]);
+      for (int u = 1; u < KU; ++u)
+        y = _mm512_add_round_ps(y, acc[u][m][c], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       store(m, c, y);
     }
 }
@@ -282,14 +296,6 @@ inline void lanes_store(float* p, Lanes v) {
 inline Lanes lanes_add(Lanes a, Lanes b) {
   return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
 }
-inline Lanes lanes_mul(Lanes a, Lanes b) {
-  return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
-}
-inline __m256 silu8(__m256 g) {
-  const __m256 e = switchyard::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
-}
-inline Lanes silu(Lanes g) { return {silu8(g.lo), silu8(g.hi)}; }
 
 using switchyard::bf16_round8;
 
@@ -316,6 +322,16 @@ template <typename T>
 inline Lanes as_stored(Lanes v) {
   return {as_stored8<T>(v.lo), as_stored8<T>(v.hi)};
 }
+
+// silu(g) * u as fused_ops.silu_mul computes it (vec_math.h's, the SiLU rounded to T);
+// store16 rounds the product as silu_mul does.
+template <typename T>
+inline Lanes silu_mul(Lanes g, Lanes u) {
+  constexpr bool kBf16 = !std::is_same_v<T, float>;
+  return {switchyard::silu_mul8<kBf16>(g.lo, u.lo), switchyard::silu_mul8<kBf16>(g.hi, u.hi)};
+}
+inline void store_product16(float* out, Lanes y) { store16(out, y); }
+inline void store_product16(uint16_t* out, Lanes y) { store16(out, y); }
 
 template <int MR>
 __attribute__((always_inline)) inline void fma_rows(__m256 (&acc)[MR][2], const float* x,
@@ -514,8 +530,7 @@ __attribute__((noinline)) void silu_mul_rows(const float* g, const float* u, int
   for (int64_t m = 0; m < n; ++m)
     for (int c = 0; c < 4; ++c) {
       const int64_t i = m * kCols + c * 16;
-      const Lanes act = as_stored<T>(silu(lanes_load(g + i)));
-      store16(o + m * N + c * 16, lanes_mul(act, lanes_load(u + i)));
+      store_product16(o + m * N + c * 16, silu_mul<T>(lanes_load(g + i), lanes_load(u + i)));
     }
 }
 

@@ -1,5 +1,5 @@
-// Vector math shared by the native kernels (AVX-512; exp also AVX2): exp and the pieces of a
-// softmax.
+// Vector math shared by the native kernels (AVX-512; exp and SiLU also AVX2): exp, the pieces
+// of a softmax, and the SiLU that linear.cpp's fused MLP up and fused_ops' silu_mul share.
 //
 // A row's softmax was a scalar max, an `omp simd` loop of std::exp and a scalar loop
 // rounding the probabilities to bf16; in the prompt-attention kernel that was 40% of a
@@ -59,6 +59,39 @@ inline __m256i bf16_round8(__m256 v) {
       _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
 }
 
+// a / b, b >= 1, in explicit steps so that every kernel inlining it gets the same bits:
+// with -ffast-math GCC turns a vector `/` (which _mm256_div_ps and _mm512_div_ps are) into a
+// reciprocal estimate and a Newton step of its own choosing, VRCPPS in 256-bit code and
+// VRCP14PS in 512-bit, and the vector width of an auto-vectorised loop follows the CPU's
+// tuning (256 bits on Sapphire Rapids): there fused_ops' silu_mul and linear_silu rounded a
+// SiLU an ulp apart, and a bf16 near a rounding tie went either way. Here: the estimate
+// (12 bits) refined by a Newton step, then the quotient corrected by its residual (the
+// quotient correctly rounded but for the rarest near-ties). b at or above 2^126 gives 0:
+// VRCPPS flushes its tiny reciprocal.
+inline __m256 div8(__m256 a, __m256 b) {
+  __m256 r = _mm256_rcp_ps(b);
+  r = _mm256_fmadd_ps(r, _mm256_fnmadd_ps(b, r, _mm256_set1_ps(1.f)), r);
+  const __m256 q = _mm256_mul_ps(a, r);
+  return _mm256_fmadd_ps(_mm256_fnmadd_ps(b, q, a), r, q);
+}
+
+// silu(x) = x / (1 + e^-x); 0 below x = -88.3, where e^-x saturates (the true value is
+// under 5e-37 there).
+inline __m256 silu8(__m256 x) {
+  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+  const __m256 y = div8(x, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+  return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-88.3f), _CMP_LT_OQ), y);
+}
+
+// silu(g) * u, the SiLU rounded to bf16 first if kBf16 (as storing it in a bf16 tensor
+// does): the product that silu_mul stores, before its own rounding.
+template <bool kBf16>
+inline __m256 silu_mul8(__m256 g, __m256 u) {
+  __m256 act = silu8(g);
+  if constexpr (kBf16) act = _mm256_castsi256_ps(_mm256_slli_epi32(bf16_round8(act), 16));
+  return _mm256_mul_ps(act, u);
+}
+
 }  // namespace switchyard
 
 #endif  // __AVX2__ && __FMA__
@@ -103,6 +136,39 @@ inline float row_max(const float* s, int64_t n) {
   for (int64_t j = 0; j < n; j += 16)
     m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, tail_mask(n - j), s + j));
   return _mm512_reduce_max_ps(m);
+}
+
+// a / b, b >= 1: as div8 (and why it is not a `/`), from VRCP14PS's 14 bits.
+inline __m512 div16(__m512 a, __m512 b) {
+  __m512 r = _mm512_rcp14_ps(b);
+  r = _mm512_fmadd_ps(r, _mm512_fnmadd_ps(b, r, _mm512_set1_ps(1.f)), r);
+  const __m512 q = _mm512_mul_ps(a, r);
+  return _mm512_fmadd_ps(_mm512_fnmadd_ps(b, q, a), r, q);
+}
+
+// silu(x) = x / (1 + e^-x); 0 below x = -88.3, where e^-x saturates.
+inline __m512 silu16(__m512 x) {
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+  const __m512 y = div16(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-88.3f), _CMP_GE_OQ), y);
+}
+
+// fp32 -> bf16 bits (in each 32-bit lane's low half) rounded to nearest even, as c10 rounds
+// finite values (fused_ops' bf16_bits). VCVTNEPS2BF16 rounds the same way but flushes
+// denormals to zero, so a value that must match fused_ops' rounding is rounded here.
+inline __m512i bf16_round16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+}
+
+// silu(g) * u, the SiLU rounded to bf16 first if kBf16: as silu_mul8.
+template <bool kBf16>
+inline __m512 silu_mul16(__m512 g, __m512 u) {
+  __m512 act = silu16(g);
+  if constexpr (kBf16) act = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_round16(act), 16));
+  return _mm512_mul_ps(act, u);
 }
 
 inline void store_masked(float* out, __mmask16 k, __m512 v) { _mm512_mask_storeu_ps(out, k, v); }
