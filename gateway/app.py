@@ -14,7 +14,7 @@ from gateway.api.admin import admin_router
 from gateway.api.dashboard import dashboard_routes
 from gateway.api.learning import learning_routes
 from gateway.api.usage import usage_routes
-from gateway.capacity.door import Gate, LoopMonitor, door_middleware
+from gateway.capacity.door import LoopMonitor, door_middleware
 from gateway.errors import exception_handlers
 from gateway.gateway import Gateway
 from gateway.runtime.group_metrics import ProcessMetrics
@@ -127,20 +127,9 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
 
 
 def _door(gw: Gateway) -> tuple[LoopMonitor, list]:
-    """The door (gateway/capacity/door.py) as a middleware (none when `door` is off), and the loop
-    monitor that ticks its gate and exports the loop's lag."""
-    cfg, metrics = gw.config, gw.metrics
-    gate = (
-        Gate(
-            tolerance_s=cfg.door_tolerance_s,
-            lane_max=cfg.door_lane_max,
-            max_wait_s=cfg.door_max_wait_s,
-            window_s=cfg.door_window_s,
-        )
-        if cfg.door
-        else None
-    )
-    gw.gate = gate
+    """The door (gateway/capacity/door.py) over `gw.gate` as a middleware (none without a
+    gate: `door` is off), and the loop monitor that ticks the gate and exports the loop's lag."""
+    cfg, metrics, gate = gw.config, gw.metrics, gw.gate
 
     def on_tick(lag_s: float) -> None:
         if metrics is not None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from gateway.capacity.door import Gate
 from gateway.capacity.pool import Pool
 from gateway.config import GatewayConfig
 from gateway.learning.router import Router
@@ -43,7 +44,7 @@ class Gateway:
     usage: "UsageReader | None" = None  # usage history (None: only the current windows)
     # gateway.learning.learner.Learner: labels from traffic (None: not collected)
     learner: Any = None
-    gate: Any = None  # gateway.capacity.door.Gate: fed each request's latency to its reservation
+    gate: Gate | None = None  # the door's; fed each request's latency to its reservation
     # Per pool, what a fleet supervisor in this process knows (replicas, the autoscaler's
     # last decision), merged into GET /admin/fleet; None: the pools are static URL lists.
     fleet_status: "Callable[[], dict[str, Any]] | None" = None

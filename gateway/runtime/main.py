@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.app import create_gateway_app
 from gateway.capacity.admission import QueueConfig
+from gateway.capacity.door import Gate
 from gateway.capacity.pool import Pool
 from gateway.config import GatewayConfig
 from gateway.gateway import Gateway
@@ -102,6 +103,14 @@ def build_gateway(
         registry, TenantLabels(config.metrics_tenants, config.metrics_tenant_cap)
     )
     metrics.watch_pools(lambda: pools)
+    gate = None
+    if config.door:
+        gate = Gate(
+            tolerance_s=config.door_tolerance_s,
+            lane_max=config.door_lane_max,
+            max_wait_s=config.door_max_wait_s,
+            window_s=config.door_window_s,
+        )
     return Gateway(
         router=router,
         usage=UsageReader(redis, usage),
@@ -117,6 +126,7 @@ def build_gateway(
         redis=redis,
         rng=rng or random.Random(),
         metrics=metrics,
+        gate=gate,
     )
 
 
