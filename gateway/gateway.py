@@ -5,19 +5,24 @@ import hashlib
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
+from redis.asyncio import Redis
 
 from gateway.capacity.door import Gate
 from gateway.capacity.pool import Pool
 from gateway.config import GatewayConfig
+from gateway.learning.learner import Learner
 from gateway.learning.router import Router
 from gateway.metrics import GatewayMetrics
+from gateway.serving.flight import Flight
 from gateway.serving.prompt_tokens import PromptCounter
+from gateway.serving.record import Outcome
 from quota.limiter import QuotaLimiter, Reservation
+from quota.models import Tenant, TenantLimits
 from quota.store import TenantStore
 from quota.sweeper import QuotaMaintenance
 from quota.usage import UsageReader, usage_record
@@ -25,6 +30,9 @@ from workers.api.client import WorkerClient
 from workers.api.types import ApiError
 
 log = logging.getLogger(__name__)
+
+# An authenticated caller: the key's id, its tenant, and the key's own limits (None: none).
+Caller = tuple[str | None, Tenant, TenantLimits | None]
 
 
 @dataclass
@@ -37,13 +45,12 @@ class Gateway:
     counter: PromptCounter
     workers: WorkerClient  # the one client for every worker of every pool
     registry: CollectorRegistry
-    redis: Any  # redis.asyncio.Redis
+    redis: Redis
     rng: random.Random = field(default_factory=random.Random)
     metrics: "GatewayMetrics | None" = None
     router: "Router | None" = None  # the cascade, for `model: auto`
     usage: "UsageReader | None" = None  # usage history (None: only the current windows)
-    # gateway.learning.learner.Learner: labels from traffic (None: not collected)
-    learner: Any = None
+    learner: Learner | None = None  # labels from traffic (None: not collected)
     gate: Gate | None = None  # the door's; fed each request's latency to its reservation
     # Per pool, what a fleet supervisor in this process knows (replicas, the autoscaler's
     # last decision), merged into GET /admin/fleet; None: the pools are static URL lists.
@@ -51,14 +58,13 @@ class Gateway:
     # Keys that authenticated recently (digest -> (caller, monotonic time)): taken without
     # a Redis lookup for `key_cache_ttl_s`, and while Redis is unreachable for
     # `known_key_ttl_s` (a known key keeps working through an outage, an unknown one never).
-    known_keys: dict[bytes, tuple[Any, float]] = field(default_factory=dict)
+    known_keys: dict[bytes, tuple[Caller, float]] = field(default_factory=dict)
     keys_changed_at: float = 0.0  # an admin change through this process: older entries stale
     # A key's Redis lookup in progress (digest -> its outcome): the requests that miss the
     # cache meanwhile wait for it instead of each sending their own.
-    key_lookups: dict[bytes, "asyncio.Future[Any]"] = field(default_factory=dict)
-    _background: set[asyncio.Task] = field(default_factory=set)
-    # requests not settled yet (gateway.serving.flight)
-    flights: set[Any] = field(default_factory=set)
+    key_lookups: dict[bytes, "asyncio.Future[Caller]"] = field(default_factory=dict)
+    _background: set[asyncio.Task[Any]] = field(default_factory=set)
+    flights: set[Flight] = field(default_factory=set)  # requests inside their flight's block
 
     def keys_changed(self) -> None:
         """A key or tenant changed through this process's admin API: its next request
@@ -69,7 +75,7 @@ class Gateway:
         """Prefix-cache namespace per tenant: one tenant's cached prompts never serve another."""
         return hashlib.blake2b(tenant_id.encode(), digest_size=8).hexdigest()
 
-    def spawn(self, coro) -> asyncio.Task:  # noqa: ANN001 (any coroutine)
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> "asyncio.Task[Any]":
         """Run `coro` outside the caller's (possibly cancelled) task; awaited at shutdown."""
         task = asyncio.ensure_future(coro)
         self._background.add(task)
@@ -77,19 +83,20 @@ class Gateway:
         return task
 
     def reconcile_later(
-        self, reservation: Reservation, actual_tokens: int, flight: Any = None
+        self, reservation: Reservation, actual_tokens: int, outcome: Outcome | None = None
     ) -> None:
         """Reconcile outside the request's (possibly cancelled) task, exactly once.
-        `flight` (a `gateway.serving.flight.Flight`): its outcome is recorded as usage (in the same
-        Redis call) and counted in the metrics; it is read when the task runs, after the
-        handler that finished it has set the response status."""
-        self.spawn(self._reconcile(reservation, actual_tokens, flight))
+        `outcome`: how the request ended, handed over by its settled flight, recorded as
+        usage (in the same Redis call) and counted in the metrics. None: no usage record (a
+        key's own windows, or a reservation given back unused)."""
+        self.spawn(self._reconcile(reservation, actual_tokens, outcome))
 
-    async def _reconcile(self, reservation: Reservation, actual_tokens: int, flight: Any) -> None:
+    async def _reconcile(
+        self, reservation: Reservation, actual_tokens: int, outcome: Outcome | None
+    ) -> None:
         usage = None
         try:
-            if flight is not None:
-                outcome = flight.outcome()
+            if outcome is not None:
                 if self.metrics is not None:
                     self.metrics.observe_outcome(reservation.tenant_id, outcome)
                 for part in outcome.parts:
@@ -97,7 +104,7 @@ class Gateway:
                         self.pools[part.model].record_tokens(part.completion_tokens)
                 usage = usage_record(
                     request_id=reservation.request_id,
-                    key_id=flight.key_id,
+                    key_id=outcome.key_id,
                     model=outcome.model,
                     route=outcome.route,
                     status=outcome.status,
@@ -144,15 +151,21 @@ class Gateway:
         return len(flights)
 
     async def settle_all(self, timeout_s: float = 10.0) -> None:
-        """At shutdown: settle every request not settled yet (one whose task the server
-        cancelled may not have run its `finally` yet), then wait for background work
-        (reconciles, closes) until none is left, at most `timeout_s`."""
-        for flight in list(self.flights):
-            flight.finish()
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while self._background:
-            remaining = deadline - asyncio.get_running_loop().time()
+        """At shutdown: wait until every request has settled (a task the server cancelled
+        settles when it next runs, leaving its flight's block) and background work
+        (reconciles, closes) is done, at most `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.flights or self._background:
+            remaining = deadline - loop.time()
             if remaining <= 0:
-                log.warning("shutdown: %d background tasks unfinished", len(self._background))
+                log.warning(
+                    "shutdown: %d requests unsettled, %d background tasks unfinished",
+                    len(self.flights),
+                    len(self._background),
+                )
                 return
-            await asyncio.wait(set(self._background), timeout=remaining)
+            if self._background:
+                await asyncio.wait(set(self._background), timeout=min(remaining, 0.05))
+            else:
+                await asyncio.sleep(min(remaining, 0.01))

@@ -18,8 +18,8 @@ the client never waits for anything here.
 import logging
 import random
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Coroutine, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
@@ -33,6 +33,9 @@ from gateway.learning.label_store import LabelStore, RequestRecord
 from gateway.serving.dispatch import send_attempt
 from gateway.serving.plan import GatewayChatRequest, Plan, PublicRequest, upstream_body
 from workers.api.client import UpstreamError
+
+if TYPE_CHECKING:  # the gateway holds its learner
+    from gateway.gateway import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +95,7 @@ class Learner:
 
     # -- hooks (never await on the request path) -------------------------------------
 
-    def on_plan(self, gw, plan: Plan, req: PublicRequest) -> None:  # noqa: ANN001
+    def on_plan(self, gw: "Gateway", plan: Plan, req: PublicRequest) -> None:
         settings = self._settings(gw, plan)
         if settings is None or not settings.feedback:
             return
@@ -109,7 +112,7 @@ class Learner:
             self._quietly(self.store.remember(plan.tenant_id, record, settings.feedback_ttl_s))
         )
 
-    def on_answer(self, gw, plan: Plan, req: PublicRequest, content: bytes) -> None:  # noqa: ANN001
+    def on_answer(self, gw: "Gateway", plan: Plan, req: PublicRequest, content: bytes) -> None:
         settings = self._settings(gw, plan)
         if settings is None or plan.route != "classifier" or settings.shadow_fraction <= 0:
             return
@@ -120,7 +123,9 @@ class Learner:
             return
         gw.spawn(self._quietly(self._shadow(gw, plan, req, content, settings)))
 
-    def on_escalation(self, gw, plan: Plan, req: PublicRequest, small: dict, large: dict) -> None:  # noqa: ANN001
+    def on_escalation(
+        self, gw: "Gateway", plan: Plan, req: PublicRequest, small: dict, large: dict
+    ) -> None:
         settings = self._settings(gw, plan)
         if settings is None:
             return
@@ -133,11 +138,11 @@ class Learner:
 
     async def feedback(
         self,
-        gw,
+        gw: "Gateway",
         tenant_id: str,
         request_id: str,
         ok: bool,
-        score: float | None,  # noqa: ANN001
+        score: float | None,
     ) -> bool:
         """Record the application's verdict on its own request; False when the request is
         unknown to this tenant (never made, another tenant's, or expired)."""
@@ -164,18 +169,18 @@ class Learner:
 
     # -- internals --------------------------------------------------------------------
 
-    def _settings(self, gw, plan: Plan) -> LearningSettings | None:  # noqa: ANN001
+    def _settings(self, gw: "Gateway", plan: Plan) -> LearningSettings | None:
         if gw.router is None or plan.score is None:
             return None
         return learning_for(gw.router.settings, plan.tenant_id)
 
-    async def _quietly(self, coro) -> None:  # noqa: ANN001
+    async def _quietly(self, coro: Coroutine[Any, Any, Any]) -> None:
         try:
             await coro
         except Exception:
             log.exception("recording a routing label failed")
 
-    async def _take_budget(self, gw, tokens: int) -> bool:  # noqa: ANN001
+    async def _take_budget(self, gw: "Gateway", tokens: int) -> bool:
         """Charge `tokens` to the operator's shadow budget of this minute, if it has room."""
         limit = gw.router.settings.shadow_tokens_per_minute
         key = BUDGET_KEY + str(int(time.time() // 60))
@@ -190,11 +195,11 @@ class Learner:
 
     async def _shadow(
         self,
-        gw,
+        gw: "Gateway",
         plan: Plan,
         req: PublicRequest,
         content: bytes,
-        settings: LearningSettings,  # noqa: ANN001
+        settings: LearningSettings,
     ) -> None:
         router = gw.router
         other = router.large_pool if plan.pool == router.small_pool else router.small_pool
@@ -262,7 +267,7 @@ class Learner:
 
     async def _label_pair(
         self,
-        gw,  # noqa: ANN001
+        gw: "Gateway",
         plan: Plan,
         req: PublicRequest,
         small: dict,
@@ -296,7 +301,7 @@ class Learner:
 
     async def judge(
         self,
-        gw,  # noqa: ANN001
+        gw: "Gateway",
         settings: LearningSettings,
         prompt: dict[str, Any],
         small_text: str,

@@ -30,21 +30,16 @@ async def json_response(
         gone.cancel()
         if not work.done():
             work.cancel()  # the client left: closing the upstream aborts the work there
-    try:
-        if work not in done and aborting in done:
-            flight.finish()
-            return error_response(to_api_error(flight.abort_error, gw.rng), headers)
-        if work not in done:
-            # The client left while a worker held the request: it pays the prompt that
-            # worker took in (the closed connection aborts the rest there).
-            for a in flight.attempts:
-                if a.upstream is None and a.lease.worker is not None and a.lease.tried:
-                    a.served.accepted = True
-            flight.finish()
-            return error_response(ApiError(499, "client disconnected"), headers)
-        return work.result()
-    finally:
-        flight.finish()
+    if work not in done and aborting in done:
+        return error_response(to_api_error(flight.abort_error, gw.rng), headers)
+    if work not in done:
+        # The client left while a worker held the request: it pays the prompt that
+        # worker took in (the closed connection aborts the rest there).
+        for a in flight.attempts:
+            if a.upstream is None and a.lease.worker is not None and a.lease.tried:
+                a.served.accepted = True
+        return error_response(ApiError(499, "client disconnected"), headers)
+    return work.result()
 
 
 async def _disconnected(request: Request) -> None:
@@ -74,7 +69,9 @@ async def _complete(
     )
 
 
-async def _maybe_escalate(gw: Gateway, flight: Flight, content: bytes, headers: dict) -> bytes:
+async def _maybe_escalate(
+    gw: Gateway, flight: Flight, content: bytes, headers: dict[str, str]
+) -> bytes:
     """Re-run on the large pool when the small model's answer is unsure (both attempts
     were reserved and are charged). The body to send, logprobs removed unless asked."""
     plan, router = flight.plan, gw.router

@@ -1,39 +1,33 @@
 """The owner of one request in the gateway, from its reservation to its reconcile.
 
-A `Flight` holds the request's quota reservation and one `Attempt` per pool it is sent
-to (an escalated request makes two). Each attempt has its own `Lease` (queue turn and
-worker slot) and records what it was served. `finish` settles everything exactly once:
-upstream connections closed (which tells a worker to abort unfinished work), leases
-released (a completion recorded only for attempts a worker answered), and the
-reservation reconciled to the sum of what every attempt is charged. It never awaits, so
-it is safe from a cancelled task and from a generator's `finally`.
+A `Flight` holds the request's quota reservations and one `Attempt` per pool it is sent to
+(an escalated request makes two). Each attempt has its own `Lease` (queue turn and worker
+slot) and records what it was served.
+
+The handler serves the request inside `with flight:`, and leaving that block, however it is
+left (an answer, a refusal, an error, a cancelled task, a client gone mid-stream), is the one
+place the request settles: work still opening cancelled, upstream connections closed (which
+tells a worker to abort unfinished work), leases released (a completion recorded only for
+attempts a worker answered), and the reservations reconciled to the sum of what every
+attempt is charged, the request's `Outcome` handed to the gateway with it. Settling never
+awaits, so it is safe from a cancelled task.
 """
 
 import asyncio
-import logging
 import time
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gateway.capacity.admission import Ticket
 from gateway.capacity.lease import Lease
 from gateway.serving.plan import Plan, PublicRequest, Served, charge
+from gateway.serving.record import Outcome, RequestRecord
 from quota.limiter import Reservation
 from quota.usage import UsagePart
 from workers.api.client import UpstreamResponse
 
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """How a settled request ended, for its usage record and metrics."""
-
-    model: str  # the pool that answered (the last attempt a worker accepted)
-    route: str  # the plan's route, or "escalated" when a second attempt answered
-    status: int  # HTTP status, or the in-band error's; 499 for a client gone mid-answer
-    latency_ms: int  # arrival to settlement
-    parts: tuple[UsagePart, ...]  # tokens per attempt a worker accepted
+if TYPE_CHECKING:
+    from gateway.gateway import Gateway
 
 
 @dataclass(slots=True)
@@ -41,32 +35,63 @@ class Attempt:
     lease: Lease
     served: Served = field(default_factory=Served)
     upstream: UpstreamResponse | None = None
-    reading: "asyncio.Future | None" = None  # the relay's pending read (abort cancels it)
+    opening: "asyncio.Future[UpstreamResponse] | None" = None  # its dispatch, while pending
+    reading: "asyncio.Future[bytes] | None" = None  # the relay's pending read (abort cancels it)
 
 
 class Flight:
-    def __init__(self, gw, plan: Plan, req: PublicRequest, reservation: Reservation) -> None:  # noqa: ANN001
+    """One request's reservations and attempts; settled when its `with` block ends."""
+
+    __slots__ = (
+        "gw",
+        "plan",
+        "req",
+        "reservation",
+        "key_reservation",
+        "record",
+        "headers",
+        "client_deadline",
+        "attempts",
+        "settled",
+        "started_at",
+        "abort_error",
+        "aborted",
+    )
+
+    def __init__(
+        self,
+        gw: "Gateway",
+        plan: Plan,
+        req: PublicRequest,
+        reservation: Reservation,
+        record: RequestRecord,
+        headers: dict[str, str],
+        *,
+        key_reservation: Reservation | None = None,
+        client_deadline: bool = False,
+    ) -> None:
         self.gw = gw
         self.plan = plan
         self.req = req
         self.reservation = reservation
+        self.key_reservation = key_reservation  # under the key's own limits, if it has any
+        self.record = record  # its status is the one the outcome reports
+        self.headers = headers  # the response's (escalation names the pool that answered)
+        self.client_deadline = client_deadline  # the deadline is the client's x-request-timeout
         self.attempts: list[Attempt] = []
-        self.finished = False
+        self.settled = False
         self.started_at = time.monotonic()
-        self.client_deadline = False  # the deadline is the client's (x-request-timeout)
-        self.key_reservation: Reservation | None = None  # under the key's own limits
         self.abort_error: Exception | None = None  # why the gateway cut this request short
         # Done when the gateway cuts the request short: a plain future, so the serving
         # code waits on it beside its work without a task of its own.
         self.aborted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.on_finish: Callable[[], None] | None = None  # after settling (the access log)
-        self.key_id: str | None = None  # the API key's id (usage by key)
-        # The response's status, set by whoever answers (in-band errors override it);
-        # read when the settlement runs, after the handler returned. None: not answered.
-        self.status: int | None = None
-        self.arrived_at = time.perf_counter()  # the handler sets the request's arrival
-        self.latency_s: float | None = None  # arrival to settlement
-        gw.flights.add(self)
+
+    def __enter__(self) -> "Flight":
+        self.gw.flights.add(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._settle()
 
     def attempt(self, pool_name: str) -> Attempt:
         """A new attempt on `pool_name`, queued at once: raises QueueFull or
@@ -89,17 +114,13 @@ class Flight:
         """The worker answered `attempt`: keep its response to close it at the end."""
         attempt.upstream = upstream
         attempt.served.accepted = upstream.status_code == 200
-        if self.finished:  # the request ended while the answer was on its way
-            self._close(upstream)
-
-    @property
-    def charged_tokens(self) -> int:
-        return sum(charge(self.plan, a.served) for a in self.attempts)
+        if self.settled:  # the request ended while the answer was on its way
+            _close(upstream)
 
     def abort(self, error: Exception) -> None:
         """Cut the request short (the gateway is shutting down): whoever serves it answers
-        the client with `error`, in-band for a committed stream, then finishes."""
-        if self.finished or self.abort_error is not None:
+        the client with `error`, in-band for a committed stream, then its block ends."""
+        if self.settled or self.abort_error is not None:
             return
         self.abort_error = error
         self.aborted.set_result(None)
@@ -107,32 +128,26 @@ class Flight:
             if a.reading is not None and not a.reading.done():
                 a.reading.cancel()
 
-    def finish(self) -> None:
-        """Close, release and reconcile, once."""
-        if self.finished:
-            return
-        self.finished = True
-        self.latency_s = time.perf_counter() - self.arrived_at
+    def _settle(self) -> None:
+        """Cancel, close, release, reconcile: once, when the flight's block ends."""
+        self.settled = True
         self.gw.flights.discard(self)
-        for a in self.attempts:
-            if a.upstream is not None:
-                self._close(a.upstream)
-            a.lease.release(served=a.served.accepted)
-        self.gw.reconcile_later(self.reservation, self.charged_tokens, self)
-        if self.key_reservation is not None:  # the key's own windows: the same charge
-            self.gw.reconcile_later(self.key_reservation, self.charged_tokens)
-        if self.on_finish is not None:
-            self.on_finish()
-
-    def outcome(self) -> Outcome:
-        """What the request used and how it ended (call after `finish`)."""
-        plan = self.plan
-        parts = []
+        record, plan = self.record, self.plan
+        charged = 0
+        parts: list[UsagePart] = []
         model, route = plan.pool, plan.route
+        cut = False  # a worker's answer that never reached its end
         for i, a in enumerate(self.attempts):
+            if a.opening is not None:
+                a.opening.cancel()  # no-op once done
+            if a.upstream is not None:
+                _close(a.upstream)
             served = a.served
-            if not served.accepted and served.usage_completion_tokens is None:
-                continue
+            a.lease.release(served=served.accepted)
+            if served.usage_completion_tokens is None:
+                if not served.accepted:
+                    continue  # refused or never dispatched: charged nothing
+                cut = True
             model = a.lease.pool.name
             if i > 0:
                 route = "escalated"
@@ -140,44 +155,18 @@ class Flight:
             prompt = served.usage_prompt_tokens
             prompt = plan.prompt_tokens if prompt is None else prompt
             parts.append(UsagePart(model, prompt, served.usage_cached_tokens, total - prompt))
-        status = self.status if self.status is not None else 499
-        if status == 200 and any(
-            a.served.accepted and a.served.usage_completion_tokens is None for a in self.attempts
-        ):
+            charged += total
+        status = record.status if record.status is not None else 499
+        if status == 200 and cut:
             status = 499  # the client left before the answer ended
-        latency = self.latency_s if self.latency_s is not None else 0.0
-        latency_ms = round(latency * 1000)
-        return Outcome(model, route, status, latency_ms, tuple(parts))
+        record.status, record.tokens = status, charged
+        latency_ms = round((time.perf_counter() - record.arrived_at) * 1000)
+        outcome = Outcome(record.key_id, model, route, status, latency_ms, tuple(parts))
+        self.gw.reconcile_later(self.reservation, charged, outcome)
+        if self.key_reservation is not None:  # the key's own windows: the same charge
+            self.gw.reconcile_later(self.key_reservation, charged)
 
-    def _close(self, upstream: UpstreamResponse) -> None:
-        if not upstream.is_closed:
-            upstream.close()
 
-
-class FlightStream:
-    """The body iterator of a streaming response: the events, and `finish` when the
-    stream ends, fails, is cancelled (client gone), or is dropped unstarted (a client
-    that left before the response began)."""
-
-    def __init__(self, flight: Flight, events: AsyncIterator[bytes]) -> None:
-        self.flight = flight
-        self.events = events
-
-    def __aiter__(self) -> "FlightStream":
-        return self
-
-    async def __anext__(self) -> bytes:
-        try:
-            return await self.events.__anext__()
-        except BaseException:
-            self.flight.finish()
-            raise
-
-    def __del__(self) -> None:
-        if not self.flight.finished:
-            try:
-                asyncio.get_running_loop()
-            except RuntimeError:
-                log.warning("stream of %s dropped outside the loop", self.flight.plan.request_id)
-                return
-            self.flight.finish()
+def _close(upstream: UpstreamResponse) -> None:
+    if not upstream.is_closed:
+        upstream.close()

@@ -1,6 +1,9 @@
-"""The public request flow: authenticate, decode, plan, reserve; then a `Flight` owns the
-request and `gateway.serving.streaming` or `gateway.serving.completion` serves it (queue, dispatch,
-relay), and the flight settles it once. Metrics and the access line are written here.
+"""The public request flow, one function from arrival to the answer's last byte: intake
+(authenticate, decode, plan) and the reservation, then a `Flight` owns the request inside
+one `with` block, which settles it however the block is left; `gateway.serving.streaming`
+or `gateway.serving.completion` make the answer, and it is sent from here. The request's
+`RequestRecord` carries who it was, where it went and how it ended to the metrics and the
+access line, written once, at the end.
 
 Refusals that happen before any token (quota, validation, a full queue, no replica) get
 their real HTTP status, streaming or not.
@@ -9,6 +12,7 @@ their real HTTP status, streaming or not.
 import asyncio
 import logging
 import time
+from typing import Any
 
 from litestar import Request, Response
 
@@ -25,6 +29,7 @@ from gateway.serving.intake import (
     ratelimit_headers,
 )
 from gateway.serving.plan import check_context
+from gateway.serving.record import RequestRecord
 from gateway.serving.streaming import stream_response
 from quota.errors import QuotaExceeded
 from workers.api.sse import EventStream
@@ -34,94 +39,64 @@ log = logging.getLogger(__name__)
 access_log = logging.getLogger("gateway.access")
 
 
-async def handle(gw: Gateway, request: Request, chat: bool) -> Response | EventStream:
-    """One public request, counted by pool, route and status."""
-    t0 = time.perf_counter()
-    labels = ["-", "-"]
-    status = 500
-    owner: dict = {}  # "tenant", "flight": what the access line reports
+async def _nothing(scope: Any, receive: Any, send: Any) -> None:
+    pass
+
+
+class _Sent(Response):
+    """What `handle` returns once it has sent its answer itself: Litestar sends nothing."""
+
+    def to_asgi_response(self, app: Any, request: Any, **_: Any) -> Any:
+        return _nothing
+
+
+SENT = _Sent(None)
+
+
+async def handle(gw: Gateway, request: Request, chat: bool) -> Response:
+    """Serve one public request, its answer sent through the request's ASGI `send` (a
+    stream is relayed while its flight owns it); returns `SENT`."""
+    record = RequestRecord(request.scope["path"], time.perf_counter())
     try:
-        response = await _handle(gw, request, chat, labels, owner)
-        status = response.status_code or 200  # a Stream's status is set when it is sent
-        return response
+        await _serve(gw, request, chat, record)
     except asyncio.CancelledError:
-        status = 499  # the client left before an answer began
+        if record.status is None:
+            record.status = 499  # the client left before an answer began
         raise
-    except Exception as exc:
-        status = to_api_error(exc, gw.rng).status
-        if isinstance(exc, QuotaExceeded) and gw.metrics is not None and "tenant" in owner:
-            gw.metrics.quota_refusals.labels(gw.metrics.tenant(owner["tenant"]), exc.kind).inc()
+    except Exception:
+        if record.status is None:  # failed sending its answer: nothing more can be sent
+            record.status = 500
         raise
     finally:
-        if gw.metrics is not None:
-            gw.metrics.requests.labels(labels[0], labels[1], str(status)).inc()
-            if labels[0] != "-":
-                gw.metrics.latency.labels(labels[0]).observe(time.perf_counter() - t0)
-            if status == 503:
-                gw.metrics.shed.labels(labels[0]).inc()
-        flight = owner.get("flight")
-        if flight is not None and flight.status is None:
-            flight.status = status  # before its settlement runs (in a task not yet started)
-        line = (request.url.path, owner.get("tenant", "-"), labels, status, t0)
-        if flight is not None and not flight.finished:  # a stream: logged when it settles
-            flight.on_finish = lambda: _log_access(*line, flight.charged_tokens)
-        else:
-            # After this task's step, i.e. once the answer is on its way: the line's format
-            # and write are not on the request's path.
-            tokens = flight.charged_tokens if flight is not None else 0
-            asyncio.get_running_loop().call_soon(_log_access, *line, tokens)
+        _observe(gw, record)
+    return SENT
 
 
-def _log_access(
-    path: str, tenant: str, labels: list[str], status: int, t0: float, tokens: int
-) -> None:
-    """One line per request: who, where to, how it ended; never prompt text or keys."""
-    if not access_log.isEnabledFor(logging.INFO):
-        return
-    latency_ms = round((time.perf_counter() - t0) * 1000)
-    fields = {
-        "path": path,
-        "tenant": tenant,
-        "model": labels[0],
-        "route": labels[1],
-        "status": status,
-        "tokens": tokens,
-        "latency_ms": latency_ms,
-    }
-    access_log.info(
-        "%s tenant=%s model=%s route=%s status=%d tokens=%d latency_ms=%d",
-        path,
-        tenant,
-        labels[0],
-        labels[1],
-        status,
-        tokens,
-        latency_ms,
-        extra={"fields": fields},
-    )
-
-
-async def read_body(request: Request, timeout_s: float) -> bytes:
-    """The whole request body, within `timeout_s` (a client trickling it is refused)."""
+async def _serve(gw: Gateway, request: Request, chat: bool, record: RequestRecord) -> None:
     try:
-        return await asyncio.wait_for(request.body(), timeout_s)
-    except TimeoutError:
-        raise ApiError(
-            408, f"the request body did not arrive within {timeout_s:g} s", code="timeout"
-        ) from None
+        flight = await _admit(gw, request, chat, record)
+    except Exception as exc:  # refused before anything was reserved
+        await _send(_refusal(gw, exc, record), request)
+        return
+    with flight:
+        response = await _answer(gw, request, flight)
+        if isinstance(response, EventStream):  # its body is the relay: sent in the block
+            await _send(response, request)
+            return
+    await _send(response, request)  # after settling: a slow reader holds no worker slot
 
 
-async def _handle(
-    gw: Gateway, request: Request, chat: bool, labels: list[str], owner: dict
-) -> Response | EventStream:
-    arrived = time.perf_counter()
+async def _admit(gw: Gateway, request: Request, chat: bool, record: RequestRecord) -> Flight:
+    """Authenticate, decode, plan and reserve: the request's flight, not entered yet."""
+    arrived = record.arrived_at
     key_id, tenant, own_limits = await authenticate_caller(gw, request)
-    owner["tenant"] = tenant.tenant_id
+    record.tenant, record.key_id = tenant.tenant_id, key_id
     req = decode(await read_body(request, gw.config.body_timeout_s), chat, gw.config)
     if gw.router is not None:
         await gw.router.refresh()
-    plan = prepare(gw, tenant, key_id, req, chat, request.headers.get("x-request-timeout"))
-    labels[:] = [plan.pool, plan.route]
+    timeout_header = request.headers.get("x-request-timeout")
+    plan = prepare(gw, tenant, key_id, req, chat, timeout_header)
+    record.pool, record.route = plan.pool, plan.route
     if own_limits is not None:
         check_context(plan.prompt_tokens, plan.max_tokens, own_limits.max_context, None)
     if gw.learner is not None:
@@ -131,7 +106,7 @@ async def _handle(
     key_reservation = None
     if own_limits is not None and key_id is not None:
         # The key's own limits: a second reservation under the key; refused, it leaves
-        # nothing behind (the tenant's reservation is released, charged 0).
+        # nothing behind (the tenant's reservation is given back, charged 0).
         try:
             key_reservation, key_state = await gw.limiter.reserve(
                 key_quota_holder(tenant, key_id, own_limits), plan.request_id, plan.reserve_tokens
@@ -157,26 +132,101 @@ async def _handle(
     if plan.score is not None:
         headers["x-switchyard-score"] = f"{plan.score:.4f}"
         headers["x-switchyard-threshold"] = f"{plan.threshold:.4f}"
-    flight = Flight(gw, plan, req, reservation)
-    flight.key_reservation = key_reservation
-    flight.key_id = key_id
-    flight.arrived_at = arrived
-    owner["flight"] = flight
-    flight.client_deadline = request.headers.get("x-request-timeout") is not None
+    return Flight(
+        gw,
+        plan,
+        req,
+        reservation,
+        record,
+        headers,
+        key_reservation=key_reservation,
+        client_deadline=timeout_header is not None,
+    )
+
+
+async def _answer(gw: Gateway, request: Request, flight: Flight) -> Response | EventStream:
+    """The flight's answer, a refusal or failure included (with the plan's headers)."""
+    headers = flight.headers
     try:
-        attempt = flight.attempt(plan.pool)
-        if plan.stream:
-            return await stream_response(gw, flight, attempt, headers)
-        return await json_response(gw, request, flight, attempt, headers)
-    except asyncio.CancelledError:
-        flight.finish()
-        raise
+        attempt = flight.attempt(flight.plan.pool)
+        if flight.plan.stream:
+            response = await stream_response(gw, flight, attempt, headers)
+        else:
+            response = await json_response(gw, request, flight, attempt, headers)
     except DeadlineExceeded as exc:
-        flight.finish()
-        return error_response(deadline_error(exc, flight.client_deadline, gw.rng), headers)
+        response = error_response(deadline_error(exc, flight.client_deadline, gw.rng), headers)
     except Exception as exc:
-        flight.finish()
         err = to_api_error(exc, gw.rng)
         if err.status == 500:  # not a domain error: a bug, so its traceback is logged
-            log.exception("request %s failed", plan.request_id)
-        return error_response(err, headers)
+            log.exception("request %s failed", flight.plan.request_id)
+        response = error_response(err, headers)
+    flight.record.answer(response.status_code or 200)  # a stream's is set when it is sent
+    return response
+
+
+def _refusal(gw: Gateway, exc: Exception, record: RequestRecord) -> Response:
+    """The answer to a request refused before its flight (no plan headers)."""
+    err = to_api_error(exc, gw.rng)
+    if err.status == 500 and not isinstance(exc, ApiError):
+        log.exception("request to %s failed", record.path)
+    if isinstance(exc, QuotaExceeded) and gw.metrics is not None and record.tenant != "-":
+        gw.metrics.quota_refusals.labels(gw.metrics.tenant(record.tenant), exc.kind).inc()
+    record.answer(err.status)
+    return error_response(err)
+
+
+async def _send(response: Response, request: Request) -> None:
+    asgi = response.to_asgi_response(None, request)
+    await asgi(request.scope, request.receive, request.send)
+
+
+def _observe(gw: Gateway, record: RequestRecord) -> None:
+    """The request's metrics and access line, once it has ended."""
+    status = record.status
+    metrics = gw.metrics
+    if metrics is not None:
+        metrics.requests.labels(record.pool, record.route, str(status)).inc()
+        if record.pool != "-":
+            answered = record.answered_at
+            end = answered if answered is not None else time.perf_counter()
+            metrics.latency.labels(record.pool).observe(end - record.arrived_at)
+        if status == 503:
+            metrics.shed.labels(record.pool).inc()
+    _log_access(record)
+
+
+def _log_access(record: RequestRecord) -> None:
+    """One line per request: who, where to, how it ended; never prompt text or keys."""
+    if not access_log.isEnabledFor(logging.INFO):
+        return
+    latency_ms = round((time.perf_counter() - record.arrived_at) * 1000)
+    fields = {
+        "path": record.path,
+        "tenant": record.tenant,
+        "model": record.pool,
+        "route": record.route,
+        "status": record.status,
+        "tokens": record.tokens,
+        "latency_ms": latency_ms,
+    }
+    access_log.info(
+        "%s tenant=%s model=%s route=%s status=%d tokens=%d latency_ms=%d",
+        record.path,
+        record.tenant,
+        record.pool,
+        record.route,
+        record.status,
+        record.tokens,
+        latency_ms,
+        extra={"fields": fields},
+    )
+
+
+async def read_body(request: Request, timeout_s: float) -> bytes:
+    """The whole request body, within `timeout_s` (a client trickling it is refused)."""
+    try:
+        return await asyncio.wait_for(request.body(), timeout_s)
+    except TimeoutError:
+        raise ApiError(
+            408, f"the request body did not arrive within {timeout_s:g} s", code="timeout"
+        ) from None

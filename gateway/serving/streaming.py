@@ -5,6 +5,7 @@ fails after that is reported in-band). Refusals before that keep their HTTP stat
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import msgspec
 from litestar import Response
@@ -13,7 +14,7 @@ from gateway.capacity.admission import DeadlineExceeded
 from gateway.errors import deadline_error, to_api_error, upstream_error
 from gateway.gateway import Gateway
 from gateway.serving.attempts import open_attempt, relayed_error
-from gateway.serving.flight import Attempt, Flight, FlightStream
+from gateway.serving.flight import Attempt, Flight
 from gateway.serving.plan import charge, upstream_body
 from gateway.serving.relay import DONE, StreamAborted, StreamTimeout, relay
 from workers.api.client import UpstreamError, UpstreamResponse
@@ -26,69 +27,66 @@ log = logging.getLogger("gateway.serving.handler")
 async def stream_response(
     gw: Gateway, flight: Flight, attempt: Attempt, headers: dict[str, str]
 ) -> Response | EventStream:
+    """The stream to send (its events relay the worker's answer while they are sent), or a
+    refusal with its status. The attempt's dispatch runs as `attempt.opening`, which the
+    flight's settlement cancels if it is still pending."""
     body = upstream_body(flight.req, flight.plan, gw.cache_salt(flight.plan.tenant_id))
     opening = asyncio.ensure_future(open_attempt(gw, flight, attempt, body, stream=True))
+    attempt.opening = opening
     aborting = flight.aborted
-    try:
-        done, _ = await asyncio.wait(
-            {opening, aborting}, timeout=gw.config.sse_heartbeat_s, return_when="FIRST_COMPLETED"
-        )
-    except asyncio.CancelledError:
-        opening.cancel()
-        raise
+    done, _ = await asyncio.wait(
+        {opening, aborting}, timeout=gw.config.sse_heartbeat_s, return_when="FIRST_COMPLETED"
+    )
     if aborting in done and opening not in done:
-        opening.cancel()
         raise flight.abort_error
     sse_headers = {**headers, "cache-control": "no-cache"}
     if not done:  # commit now: heartbeats while it waits, failures in-band
-        events = _events_after(gw, flight, attempt, opening)
-        return EventStream(FlightStream(flight, events), headers=sse_headers)
+        return EventStream(_events_after(gw, flight, attempt, opening), headers=sse_headers)
     upstream = opening.result()  # a refusal raises: the caller answers with its status
     if upstream.status_code != 200:
-        response = await relayed_error(upstream, headers)
-        flight.finish()
-        return response
-    events = _relay_events(gw, flight, attempt, upstream)
-    return EventStream(FlightStream(flight, events), headers=sse_headers)
+        return await relayed_error(upstream, headers)
+    return EventStream(_relay_events(gw, flight, attempt, upstream), headers=sse_headers)
 
 
-async def _events_after(gw: Gateway, flight: Flight, attempt: Attempt, opening: asyncio.Future):
+async def _events_after(
+    gw: Gateway, flight: Flight, attempt: Attempt, opening: "asyncio.Future[UpstreamResponse]"
+) -> AsyncIterator[bytes]:
     aborting = flight.aborted
+    while not opening.done():
+        done, _ = await asyncio.wait(
+            {opening, aborting},
+            timeout=gw.config.sse_heartbeat_s,
+            return_when="FIRST_COMPLETED",
+        )
+        if aborting in done:
+            yield _error_event(to_api_error(flight.abort_error, gw.rng), flight)
+            return
+        if not done:
+            yield b": queued\n\n"
     try:
-        while not opening.done():
-            done, _ = await asyncio.wait(
-                {opening, aborting},
-                timeout=gw.config.sse_heartbeat_s,
-                return_when="FIRST_COMPLETED",
-            )
-            if aborting in done:
-                yield _error_event(to_api_error(flight.abort_error, gw.rng), flight)
-                return
-            if not done:
-                yield b": queued\n\n"
-        try:
-            upstream = opening.result()
-        except DeadlineExceeded as exc:
-            yield _error_event(deadline_error(exc, flight.client_deadline, gw.rng), flight)
-            return
-        except Exception as exc:
-            yield _error_event(to_api_error(exc, gw.rng), flight)
-            return
-        if upstream.status_code != 200:
-            content = await upstream.aread()
-            yield _error_event(upstream_error(upstream.status_code, content), flight)
-            return
-        async for event in _relay_events(gw, flight, attempt, upstream):
-            yield event
-    finally:
-        opening.cancel()
+        upstream = opening.result()
+    except DeadlineExceeded as exc:
+        yield _error_event(deadline_error(exc, flight.client_deadline, gw.rng), flight)
+        return
+    except Exception as exc:
+        yield _error_event(to_api_error(exc, gw.rng), flight)
+        return
+    if upstream.status_code != 200:
+        content = await upstream.aread()
+        yield _error_event(upstream_error(upstream.status_code, content), flight)
+        return
+    async for event in _relay_events(gw, flight, attempt, upstream):
+        yield event
 
 
-async def _relay_events(gw: Gateway, flight: Flight, attempt: Attempt, upstream: UpstreamResponse):
+async def _relay_events(
+    gw: Gateway, flight: Flight, attempt: Attempt, upstream: UpstreamResponse
+) -> AsyncIterator[bytes]:
     plan = flight.plan
     first = True
     pool = attempt.lease.pool.name
     metrics = gw.metrics
+    arrived_at = flight.record.arrived_at
     last_at, last_tokens = 0.0, 0
     try:
         async for event in relay(
@@ -105,7 +103,7 @@ async def _relay_events(gw: Gateway, flight: Flight, attempt: Attempt, upstream:
                 last_at, last_tokens = time.monotonic(), tokens
                 attempt.lease.pool.record_ttft(last_at - flight.started_at)
                 if metrics is not None:
-                    metrics.ttft.labels(pool).observe(time.perf_counter() - flight.arrived_at)
+                    metrics.ttft.labels(pool).observe(time.perf_counter() - arrived_at)
             elif tokens > last_tokens and metrics is not None:
                 now = time.monotonic()
                 gap = (now - last_at) / (tokens - last_tokens)
@@ -153,8 +151,7 @@ def _usage_event(flight: Flight, attempt: Attempt) -> bytes:
     return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
 
 
-def _error_event(err: ApiError, flight: Flight | None = None) -> bytes:
-    """An in-band error (then [DONE]); it is the status `flight` is recorded with."""
-    if flight is not None:
-        flight.status = err.status
+def _error_event(err: ApiError, flight: Flight) -> bytes:
+    """An in-band error (then [DONE]); its status becomes the request's."""
+    flight.record.status = err.status
     return b"data: " + msgspec.json.encode(err.body()) + b"\n\n" + DONE
