@@ -22,6 +22,9 @@ in front of the app:
 A request that waited `max_wait_s` in its lane, or found it full, is refused: 429
 `gateway_busy` with a jittered Retry-After, held `refusal_delay_s` first. Keys the cache
 does not know pass (the handler authenticates them, and fills the cache).
+
+A key is hashed once per request, by `key_digest`: the door leaves the digest in the ASGI
+scope (`KEY_DIGEST`), where authentication takes it.
 """
 
 import asyncio
@@ -37,6 +40,15 @@ Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]
 
 _GUARDED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+KEY_DIGEST = "switchyard.key_digest"  # the scope entry: the request's bearer key, hashed
+
+
+def key_digest(authorization: bytes) -> bytes | None:
+    """The digest the key cache (`Gateway.known_keys`) knows a bearer key by: blake2b-16 of
+    the key in an `authorization` header's value. None: not a bearer key."""
+    if authorization[:7].lower() != b"bearer ":
+        return None
+    return hashlib.blake2b(authorization[7:].strip(), digest_size=16).digest()
 
 
 class LoopMonitor:
@@ -293,8 +305,9 @@ def door_middleware(
     retry_after_s: float = 1.0,
     refusal_delay_s: float = 0.0,
 ) -> ASGIApp:
-    """`app` behind the door. `tenant_of_digest`: the tenant of a key's blake2b-16 digest,
-    if the key is known (see `gateway.serving.intake`); `on_refusal(tenant)`: counts refusals.
+    """`app` behind the door. `tenant_of_digest`: the tenant of a key's `key_digest`, if the
+    key is known; the digest is left in the scope under `KEY_DIGEST` for authentication.
+    `on_refusal(tenant)`: counts refusals.
     `refusal_delay_s`: how long a refusal is held before it is sent. A client that retries
     at once, ignoring Retry-After, would otherwise keep the loop busy with refusals alone;
     held, each of its connections costs one timer per `refusal_delay_s`."""
@@ -306,9 +319,9 @@ def door_middleware(
         tenant = None
         for name, value in scope["headers"]:
             if name == b"authorization":
-                if value[:7].lower() == b"bearer ":
-                    plaintext = value[7:].strip()
-                    digest = hashlib.blake2b(plaintext, digest_size=16).digest()
+                digest = key_digest(value)
+                if digest is not None:
+                    scope[KEY_DIGEST] = digest
                     tenant = tenant_of_digest(digest)
                 break
         if tenant is None:

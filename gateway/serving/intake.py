@@ -2,7 +2,6 @@
 route, count and bound it with the pure functions of `gateway.serving.plan`."""
 
 import asyncio
-import hashlib
 import logging
 import time
 import uuid
@@ -11,8 +10,9 @@ import msgspec
 from litestar import Request
 
 from cascade.policy import escalation_for
+from gateway.capacity.door import KEY_DIGEST, key_digest
 from gateway.config import GatewayConfig
-from gateway.gateway import Gateway
+from gateway.gateway import Caller, Gateway
 from gateway.serving.plan import (
     GatewayChatRequest,
     GatewayCompletionRequest,
@@ -58,21 +58,22 @@ async def authenticate_key(gw: Gateway, request: Request) -> tuple[str | None, T
     return key_id, tenant
 
 
-async def authenticate_caller(
-    gw: Gateway, request: Request
-) -> tuple[str | None, Tenant, TenantLimits | None]:
+async def authenticate_caller(gw: Gateway, request: Request) -> Caller:
     """The caller's key id, tenant and the key's own limits. A key that authenticated in
     the last `key_cache_ttl_s` is taken as it was then (no Redis round trip); so revoking a
     key, or changing limits, applies within that. While Redis is unreachable,
     only a key that authenticated in the last `known_key_ttl_s` is accepted (as it was
-    then): never an unknown key."""
-    header = request.headers.get("authorization", "")
-    if not header.lower().startswith("bearer "):
-        raise ApiError(
-            401, "missing API key: send `Authorization: Bearer <key>`", code="invalid_api_key"
-        )
-    plaintext = header[7:].strip()
-    digest = hashlib.blake2b(plaintext.encode(), digest_size=16).digest()
+    then): never an unknown key.
+
+    The key's digest is the door's (`gateway.capacity.door.KEY_DIGEST` in the scope), or,
+    with no door in front, computed here by the same `key_digest`."""
+    digest = request.scope.get(KEY_DIGEST)
+    if digest is None:
+        digest = key_digest(request.headers.get("authorization", "").encode("latin-1"))
+        if digest is None:
+            raise ApiError(
+                401, "missing API key: send `Authorization: Bearer <key>`", code="invalid_api_key"
+            )
     cached = gw.known_keys.get(digest)
     if (
         cached is not None
@@ -84,10 +85,11 @@ async def authenticate_caller(
     # task of its own (a caller that leaves does not cancel it for the others).
     lookup = gw.key_lookups.get(digest)
     if lookup is None:
+        plaintext = request.headers["authorization"][7:].strip()
         lookup = asyncio.ensure_future(_look_up_key(gw, plaintext, digest, cached))
         gw.key_lookups[digest] = lookup
 
-        def looked_up(task: asyncio.Future) -> None:
+        def looked_up(task: asyncio.Future[Caller]) -> None:
             gw.key_lookups.pop(digest, None)
             if not task.cancelled():
                 task.exception()  # retrieved, even if every caller left
@@ -97,8 +99,8 @@ async def authenticate_caller(
 
 
 async def _look_up_key(
-    gw: Gateway, plaintext: str, digest: bytes, cached: tuple | None
-) -> tuple[str | None, Tenant, TenantLimits | None]:
+    gw: Gateway, plaintext: str, digest: bytes, cached: tuple[Caller, float] | None
+) -> Caller:
     """The key's caller from Redis (and into the cache); see `authenticate_caller`."""
     t0 = time.perf_counter()
     try:

@@ -11,7 +11,7 @@ from gateway.serving.intake import authenticate_caller
 from tests.support.waiting import settles
 from workers.api.types import ApiError
 
-REQUEST = SimpleNamespace(headers={"authorization": "Bearer sk-test-key"})
+REQUEST = SimpleNamespace(headers={"authorization": "Bearer sk-test-key"}, scope={})
 
 
 def gateway(found: object) -> tuple[SimpleNamespace, list, asyncio.Event]:
