@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from kvcache import KVCacheManager
 from workers.engine.config import EngineConfig
@@ -181,7 +182,7 @@ class LLMEngine:
             return self._fail(request, exc, "add")
         return None
 
-    def add_request(self, request_id: str | None = None, **kwargs) -> Request:
+    def add_request(self, request_id: str | None = None, **kwargs: Any) -> Request:
         request = self.make_request(request_id, **kwargs)
         self.add(request)
         return request
@@ -355,7 +356,7 @@ class LLMEngine:
                 reqs.append(self.add_request(prompt=prompt, params=p))
             else:
                 reqs.append(self.add_request(prompt_token_ids=list(prompt), params=p))
-        texts = {r.request_id: [] for r in reqs}
+        texts: dict[str, list[str]] = {r.request_id: [] for r in reqs}
         while self.has_unfinished_requests():
             for o in self.step():
                 if o.request_id in texts:
