@@ -9,7 +9,6 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -17,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.config import GatewayConfig
 from gateway.runtime.main import build_gateway
+from workers.engine.stats import EngineStats
 from workers.server.metrics import EngineCollector, WorkerMetrics
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
@@ -38,12 +38,23 @@ def exported_names(registry: CollectorRegistry) -> set[str]:
     return names
 
 
-def _fake_engine() -> SimpleNamespace:
-    stats = SimpleNamespace(num_query_tokens=0, num_hit_tokens=0)
-    return SimpleNamespace(
-        scheduler=SimpleNamespace(num_running=0, num_waiting=0, num_preemptions=0),
-        kv=SimpleNamespace(usage=0.0, stats=stats),
+def _idle_engine_stats() -> EngineStats:
+    return EngineStats(
+        time_s=0.0,
+        num_steps=0,
+        num_running=0,
+        waiting_tokens=(),
+        num_held=0,
+        max_num_seqs=16,
+        block_size=16,
+        kv_blocks_used=0,
+        kv_blocks_free=64,
+        kv_blocks_total=64,
+        prefix_cache_query_tokens=0,
+        prefix_cache_hit_tokens=0,
+        num_preemptions=0,
         num_failed_requests=0,
+        num_generated_tokens=0,
     )
 
 
@@ -58,7 +69,7 @@ def exported(tmp_path_factory) -> set[str]:
     gw = build_gateway(cfg, "redis://127.0.0.1:9/0")  # nothing connects until used
     worker = CollectorRegistry()
     WorkerMetrics(worker, "small")
-    worker.register(EngineCollector(_fake_engine, "small"))
+    worker.register(EngineCollector(_idle_engine_stats, "small"))
     return exported_names(gw.registry) | exported_names(worker)
 
 

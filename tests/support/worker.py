@@ -66,7 +66,7 @@ def running_worker(model_dir: Path, num_kv_blocks: int = 256, max_num_seqs: int 
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry, "small")
     service = WorkerService(config, metrics, aengine)
-    registry.register(EngineCollector(lambda: engine, "small"))
+    registry.register(EngineCollector(lambda: aengine.stats, "small"))
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(create_worker_app(service), host="127.0.0.1", port=port, log_level="warning")

@@ -2,7 +2,9 @@
 
 The HTTP event loop never runs model code: it hands requests and aborts to the engine
 thread through a locked inbox, which the thread drains at each step boundary, and gets
-outputs back through `call_soon_threadsafe`.
+outputs back through `call_soon_threadsafe`. Nor does it read the engine's live state:
+the engine thread publishes an `EngineStats` snapshot (after adds and aborts, once a
+batch is scheduled, after each step, and on each idle wait) and other threads read that.
 """
 
 import asyncio
@@ -14,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.outputs import RequestOutput
 from workers.engine.request import Request
-from workers.engine.stats import QueueSnapshot
+from workers.engine.stats import EngineStats, QueueSnapshot
 from workers.errors import RequestFailedError
 
 log = logging.getLogger(__name__)
@@ -41,9 +43,13 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self.error: BaseException | None = None
-        self.last_step_time = time.monotonic()  # heartbeat, read by health checks
         self.num_steps = 0
         self._on_death: list[DeathCallback] = []
+        # Taken from the inbox and not yet in a published snapshot (under `_lock`).
+        self._adding: list[Request] = []
+        # Built here before the thread starts; afterwards only the engine thread swaps it.
+        self._stats = engine.stats(time.monotonic())
+        engine.on_scheduled = self._publish
 
     @property
     def is_running(self) -> bool:
@@ -74,10 +80,26 @@ class AsyncEngine:
         with self._lock:
             return len(self._aborts)
 
-    def is_idle(self) -> bool:
+    @property
+    def stats(self) -> EngineStats:
+        """The snapshot the engine thread published last (`time_s`: its step heartbeat)."""
+        return self._stats
+
+    def published(self) -> tuple[EngineStats, list[int]]:
+        """The last snapshot and, read with it, the prompt tokens of the requests handed
+        in that it does not hold yet (in order): together, every request submitted."""
         with self._lock:
-            pending = bool(self._new)
-        return not pending and not self.engine.has_unfinished_requests()
+            stats = self._stats
+            arrivals = [r.num_prompt_tokens for r in self._adding]
+            arrivals += [r.num_prompt_tokens for r in self._new]
+        return stats, arrivals
+
+    def is_idle(self) -> bool:
+        """No request submitted is unfinished, as of the last snapshot."""
+        with self._lock:
+            pending = bool(self._new or self._adding)
+            stats = self._stats
+        return not pending and not stats.has_unfinished
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Submit a request made by `engine.make_request` and yield its outputs.
@@ -116,33 +138,11 @@ class AsyncEngine:
             if not finished:
                 self._wake.set()
 
-    def queue_snapshot(self) -> tuple[int, int]:
-        """(requests waiting, their prompt tokens not yet computed), new arrivals included.
-
-        Read without stopping the engine thread: a close, cheap estimate for admission.
-        """
-        with self._lock:
-            pending = list(self._new)
-        waiting = list(self.engine.scheduler.waiting)
-        reqs = pending + waiting
-        return len(reqs), sum(r.num_tokens - r.num_computed_tokens for r in reqs)
-
-    def admission_snapshot(self) -> "QueueSnapshot":
-        """The waiting line in queue order (queued first, then new arrivals) with the
-        room the running batch and the KV cache have left. Read without stopping the
-        engine thread: a close, cheap estimate for admission."""
-        with self._lock:
-            pending = list(self._new)
-        sched = self.engine.scheduler
-        kv = sched.kv
-        reqs = list(sched.waiting) + pending
-        return QueueSnapshot(
-            waiting_tokens=[r.num_tokens - r.num_computed_tokens for r in reqs],
-            num_running=sched.num_running,
-            max_num_seqs=sched.config.max_num_seqs,
-            free_kv_tokens=kv.num_free_blocks * kv.block_size,
-            block_size=kv.block_size,
-        )
+    def admission_snapshot(self) -> QueueSnapshot:
+        """The waiting line in queue order (the snapshot's, then arrivals not in it) with
+        the room the running batch and the KV cache had left: a close, cheap estimate."""
+        stats, arrivals = self.published()
+        return stats.queue(arrivals)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -163,25 +163,36 @@ class AsyncEngine:
                 with self._lock:
                     new, self._new = self._new, []
                     aborts, self._aborts = self._aborts, []
-                refused = [out for out in map(engine.add, new) if out is not None]
-                if refused:
-                    self._deliver(refused)
-                for rid in aborts:
-                    out = engine.abort(rid)
-                    if out is not None:
-                        self._deliver([out])
+                    self._adding = new
+                if new or aborts:
+                    done = [out for out in map(engine.add, new) if out is not None]
+                    done += [out for out in map(engine.abort, aborts) if out is not None]
+                    self._publish(added=True)  # before delivering: callers see it done
+                    if done:
+                        self._deliver(done)
                 if not engine.has_unfinished_requests():
-                    self.last_step_time = time.monotonic()
+                    self._publish()  # the heartbeat of an idle loop
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
                     continue
                 outputs = engine.step()
                 self.num_steps += 1
-                self.last_step_time = time.monotonic()
+                self._publish()
                 self._deliver(outputs)
         except BaseException as exc:  # noqa: BLE001 (report any death to every waiter)
             log.exception("engine loop died")
             self._die(exc)
+
+    def _publish(self, added: bool = False) -> None:
+        """Swap in a fresh snapshot (engine thread only); `added`: it now holds what was
+        taken from the inbox, so arrivals stop counting those in the same lock."""
+        stats = self.engine.stats(time.monotonic())
+        if added:
+            with self._lock:
+                self._stats = stats
+                self._adding = []
+        else:
+            self._stats = stats
 
     def _die(self, exc: BaseException) -> None:
         with self._lock:

@@ -16,6 +16,7 @@ from workers.engine.outputs import Completion, RequestOutput, TokenLogprobs
 from workers.engine.request import FinishReason, Request, RequestStatus
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
+from workers.engine.stats import EngineStats
 from workers.engine.structured import GrammarCompiler, GrammarSpec
 from workers.engine.tokenizer import CheckpointTokenizer
 from workers.errors import ContextLengthError, EngineStepError, InvalidRequestError
@@ -67,6 +68,9 @@ class LLMEngine:
         )
         # n > 1: samples held back until the sample they fork from has its prompt KV.
         self._held: dict[str, list[Request]] = {}
+        # Called in `step` once the batch is scheduled, before the model runs (AsyncEngine
+        # publishes its stats there, so a long step shows the batch it is running).
+        self.on_scheduled: Callable[[], None] | None = None
 
     @classmethod
     def from_pretrained(
@@ -236,6 +240,8 @@ class LLMEngine:
         outputs = [self._output(req, [], None) for req in out.expired]
         if not out.scheduled:
             return outputs
+        if self.on_scheduled is not None:
+            self.on_scheduled()
         tables = {req.request_id: self.kv.block_table(req.request_id) for req, _ in out.scheduled}
         sampled, failed = execute_isolated(
             lambda batch: self.runner.execute(batch, tables), out.scheduled
@@ -263,6 +269,27 @@ class LLMEngine:
             except Exception as exc:  # stop checks, detokenization: this request only
                 outputs.append(self._fail(req, exc, "detokenize"))
         return outputs
+
+    def stats(self, now: float) -> EngineStats:
+        """A snapshot for other threads, taken at `now`; only the engine's thread calls it."""
+        sched, kv = self.scheduler, self.kv
+        return EngineStats(
+            time_s=now,
+            num_steps=sched.step_count,
+            num_running=len(sched.running),
+            waiting_tokens=tuple([r.num_tokens - r.num_computed_tokens for r in sched.waiting]),
+            num_held=sum(map(len, self._held.values())) if self._held else 0,
+            max_num_seqs=sched.config.max_num_seqs,
+            block_size=kv.block_size,
+            kv_blocks_used=kv.pool.num_used_blocks,
+            kv_blocks_free=kv.num_free_blocks,
+            kv_blocks_total=kv.num_total_blocks,
+            prefix_cache_query_tokens=kv.stats.num_query_tokens,
+            prefix_cache_hit_tokens=kv.stats.num_hit_tokens,
+            num_preemptions=sched.num_preemptions,
+            num_failed_requests=self.num_failed_requests,
+            num_generated_tokens=self.num_generated_tokens,
+        )
 
     def _count_failed_step(
         self, num_failed: int, num_scheduled: int, failed: list[tuple[Request, Exception]]

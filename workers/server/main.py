@@ -38,7 +38,7 @@ def build_worker(
     metrics = WorkerMetrics(registry, config.served_model_names[0])
     service = WorkerService(config, metrics)
     registry.register(
-        EngineCollector(lambda: service.engine.engine if service.engine else None, metrics.model)
+        EngineCollector(lambda: service.engine.stats if service.engine else None, metrics.model)
     )
 
     def load() -> None:

@@ -1,8 +1,9 @@
 """Prometheus metrics of a worker, on a registry the caller passes in.
 
 Names follow vLLM's where the meaning is the same, prefixed `switchyard_worker_`.
-Engine state (queue lengths, KV usage, cumulative engine counters) is read at scrape
-time by a collector; per-request latencies are observed by the server as they happen.
+Engine state (queue lengths, KV usage, cumulative engine counters) is the snapshot the
+engine thread last published, read at scrape time by a collector; per-request latencies
+are observed by the server as they happen.
 """
 
 from collections.abc import Callable, Iterator
@@ -11,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from workers.engine.llm_engine import LLMEngine
+from workers.engine.stats import EngineStats
 
 P = "switchyard_worker_"
 
@@ -22,18 +23,18 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
 
 
 class EngineCollector(Collector):
-    """Reads the engine's state when Prometheus scrapes."""
+    """Reports the engine's last published stats when Prometheus scrapes (never its live
+    state: the scrape runs on the HTTP thread while the engine thread steps)."""
 
-    def __init__(self, engine: Callable[[], LLMEngine | None], model: str) -> None:
-        self._engine = engine
+    def __init__(self, stats: Callable[[], EngineStats | None], model: str) -> None:
+        self._stats = stats
         self._model = model
 
     def collect(self) -> Iterator:
-        engine = self._engine()
-        if engine is None:
+        stats = self._stats()
+        if stats is None:
             return
         labels = ["model_name"]
-        sched, kv = engine.scheduler, engine.kv
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(P + name, doc, labels=labels)
@@ -45,28 +46,28 @@ class EngineCollector(Collector):
             c.add_metric([self._model], value)
             return c
 
-        yield gauge("num_requests_running", "Requests in the running batch.", sched.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", sched.num_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", kv.usage)
+        yield gauge("num_requests_running", "Requests in the running batch.", stats.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", stats.kv_usage)
         yield counter(
             "prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
-            kv.stats.num_query_tokens,
+            stats.prefix_cache_query_tokens,
         )
         yield counter(
             "prefix_cache_hits",
             "Prompt tokens served from the prefix cache.",
-            kv.stats.num_hit_tokens,
+            stats.prefix_cache_hit_tokens,
         )
         yield counter(
             "request_errors",
             "Requests the engine failed alone (finish reason error); the others went on.",
-            engine.num_failed_requests,
+            stats.num_failed_requests,
         )
         yield counter(
             "num_preemptions",
             "Requests preempted (recomputed) for lack of KV blocks.",
-            sched.num_preemptions,
+            stats.num_preemptions,
         )
 
 

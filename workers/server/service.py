@@ -88,8 +88,9 @@ class WorkerService:
             return "draining"
         if engine.error is not None:
             return "stalled"
+        # Both from the snapshot the engine thread published (its heartbeat is `time_s`).
         busy = not engine.is_idle()
-        if busy and self.clock() - engine.last_step_time > self.config.stall_timeout_s:
+        if busy and self.clock() - engine.stats.time_s > self.config.stall_timeout_s:
             return "stalled"
         return "ready"
 
@@ -139,21 +140,19 @@ class WorkerService:
         engine = self.engine
         if engine is None:
             return LoadReport("loading", 0, 0, 0, 0, 0, 0, 0, 0.0, self.model_name, 0)
-        e = engine.engine
-        kv = e.kv
-        waiting, queued = engine.queue_snapshot()
+        stats, arrivals = engine.published()  # the engine thread's snapshot, not its lists
         return LoadReport(
             state=self.state,
-            num_running=e.scheduler.num_running,
-            num_waiting=waiting,
-            kv_blocks_used=kv.pool.num_used_blocks,
-            kv_blocks_total=kv.num_total_blocks,
-            kv_free_tokens=kv.num_free_blocks * kv.block_size,
-            kv_total_tokens=kv.num_total_blocks * kv.block_size,
-            queued_prompt_tokens=queued,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting + len(arrivals),
+            kv_blocks_used=stats.kv_blocks_used,
+            kv_blocks_total=stats.kv_blocks_total,
+            kv_free_tokens=stats.free_kv_tokens,
+            kv_total_tokens=stats.kv_blocks_total * stats.block_size,
+            queued_prompt_tokens=sum(stats.waiting_tokens) + sum(arrivals),
             output_tokens_per_s=round(self.tokens_per_s(), 2),
             model=self.model_name,
-            max_model_len=e.max_model_len,
+            max_model_len=engine.engine.max_model_len,
             vocab_size=self.vocab_size,
         )
 
