@@ -1,4 +1,8 @@
-"""Between the OpenAI wire format and the engine: sampling params in, JSON bodies out."""
+"""Between the OpenAI wire format and the engine: sampling params in, JSON bodies out.
+
+Bad input raises ApiError, or the engine's InvalidRequestError (naming the field), which
+the app's one exception handler turns into the same OpenAI-shaped 400.
+"""
 
 import time
 from typing import Any
@@ -8,7 +12,6 @@ from workers.engine.outputs import RequestOutput, TokenLogprobs
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.structured import GrammarSpec
 from workers.engine.tokenizer import CheckpointTokenizer
-from workers.errors import InvalidRequestError
 from workers.server.tools import ToolPlan, ToolStream, template_messages, tool_grammar
 
 _UNSUPPORTED = {"presence_penalty": 0.0, "frequency_penalty": 0.0}
@@ -17,7 +20,8 @@ _UNSUPPORTED = {"presence_penalty": 0.0, "frequency_penalty": 0.0}
 def sampling_params(
     req: CompletionRequest | ChatCompletionRequest, default_max_tokens: int
 ) -> SamplingParams:
-    """SamplingParams for a request; ApiError(400) naming the field when invalid."""
+    """SamplingParams for a request; ApiError or InvalidRequestError (400) naming the
+    field when invalid."""
     if req.n < 1:
         raise ApiError(400, "n must be at least 1", param="n")
     for name, neutral in _UNSUPPORTED.items():
@@ -36,48 +40,42 @@ def sampling_params(
         if req.echo:
             raise ApiError(400, "echo is not supported by this server", param="echo")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    try:
-        return SamplingParams(
-            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k == -1 else req.top_k,
-            min_p=req.min_p,
-            seed=req.seed,
-            stop=stop,
-            stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=req.ignore_eos,
-            min_tokens=req.min_tokens,
-            logprobs=logprobs,
-        )
-    except InvalidRequestError as exc:
-        raise ApiError(400, exc.message, param=exc.param) from None
+    return SamplingParams(
+        max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k == -1 else req.top_k,
+        min_p=req.min_p,
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        logprobs=logprobs,
+    )
 
 
 def grammar_of(
     req: CompletionRequest | ChatCompletionRequest, tools: ToolPlan | None = None
 ) -> GrammarSpec | None:
     """What the output is constrained to: a forced tool call, else `response_format`."""
-    try:
-        if tools is not None:
-            forced = tool_grammar(tools, getattr(req, "parallel_tool_calls", True))
-            if forced is not None:
-                return forced
-        rf = req.response_format
-        if rf is None or rf.type == "text":
-            return None
-        if rf.type == "json_object":
-            return GrammarSpec.from_schema({"type": "object"})
-        if rf.json_schema is None:
-            raise ApiError(
-                400,
-                "response_format of type json_schema needs `json_schema`",
-                param="response_format",
-            )
-        schema = rf.json_schema.schema
-        return GrammarSpec.from_schema(schema if schema is not None else {"type": "object"})
-    except InvalidRequestError as exc:
-        raise ApiError(400, exc.message, param=exc.param) from None
+    if tools is not None:
+        forced = tool_grammar(tools, getattr(req, "parallel_tool_calls", True))
+        if forced is not None:
+            return forced
+    rf = req.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return GrammarSpec.from_schema({"type": "object"})
+    if rf.json_schema is None:
+        raise ApiError(
+            400,
+            "response_format of type json_schema needs `json_schema`",
+            param="response_format",
+        )
+    schema = rf.json_schema.schema
+    return GrammarSpec.from_schema(schema if schema is not None else {"type": "object"})
 
 
 def chat_prompt(
@@ -95,10 +93,7 @@ def chat_prompt(
                 raise ApiError(400, "only text content parts are supported", param="messages")
             content = "".join(parts)
         messages.append({**extra, "content": content or ""})
-    try:
-        return tokenizer.render_chat(messages, tools.tools if tools is not None else None)
-    except InvalidRequestError as exc:
-        raise ApiError(400, exc.message, param=exc.param) from None
+    return tokenizer.render_chat(messages, tools.tools if tools is not None else None)
 
 
 def usage(outs: list[RequestOutput]) -> dict[str, Any]:

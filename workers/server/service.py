@@ -24,6 +24,11 @@ def bearer_matches(authorization: str | None, key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
+def retry_after_headers(seconds: float) -> dict[str, str]:
+    """`Retry-After` in whole seconds (rounded up), and `retry-after-ms` exactly."""
+    return {"Retry-After": str(math.ceil(seconds)), "retry-after-ms": str(int(seconds * 1000))}
+
+
 def jittered_retry_after(base_s: float, jitter_s: float, rng: random.Random) -> float:
     """Seconds to wait before retrying, spread so refused clients do not return together."""
     return base_s + rng.uniform(0.0, jitter_s)
@@ -163,6 +168,3 @@ class WorkerService:
             vocab = tok.backend.get_vocab() if tok else {}
             self._max_chars_per_token = max((len(t) for t in vocab), default=16)
         return self._max_chars_per_token
-
-    def retry_after_header(self, seconds: float) -> dict[str, str]:
-        return {"Retry-After": str(math.ceil(seconds)), "retry-after-ms": str(int(seconds * 1000))}
