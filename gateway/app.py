@@ -10,10 +10,11 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.openapi import OpenAPIConfig
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.api.admin import admin_router
+from gateway.api.admin import FleetController, KeyController, RoutingController, TenantController
+from gateway.api.admin_base import gateway_state
 from gateway.api.dashboard import dashboard_routes
-from gateway.api.learning import learning_routes
-from gateway.api.usage import usage_routes
+from gateway.api.learning import ClassifierController, learning_routes
+from gateway.api.usage import UsageController, usage_routes
 from gateway.capacity.door import LoopMonitor, door_middleware
 from gateway.errors import exception_handlers
 from gateway.gateway import Gateway
@@ -107,9 +108,16 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
             health,
             ready,
             metrics,
-            admin_router(gw),
             *learning_routes(gw),
+            # The admin API: controllers behind the admin key, which find `gw` in the state.
+            TenantController,
+            KeyController,
+            RoutingController,
+            FleetController,
+            UsageController,
+            ClassifierController,
         ],
+        state=gateway_state(gw),
         exception_handlers=exception_handlers(gw.rng),
         middleware=middleware,
         lifespan=[lifespan],

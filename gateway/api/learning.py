@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
-from litestar import Request, Response, Router, delete, get, post, put
+from litestar import Request, Response, delete, get, post, put
 from litestar.params import FromPath, FromQuery
 
 from cascade.artifact import ArtifactError, load_artifact
 from cascade.labels import training_rows
-from gateway.api.admin import _require_admin, _router
+from gateway.api.admin_base import AdminController, AdminUser, GatewayDep, cascade_of
+from gateway.api.bodies import decode_struct, read_struct
 from gateway.gateway import Gateway
 from gateway.learning.classifiers import (
     ARTIFACT_FILES,
@@ -27,9 +28,9 @@ from gateway.learning.classifiers import (
 from gateway.serving.handler import read_body
 from gateway.serving.intake import authenticate
 from workers.api.types import ApiError
-from workers.api.validation import check_json_depth
 
 MAX_UPLOAD_BYTES = 64 * 1024 * 1024  # an artifact's files, base64 encoded
+_MAX_JSON_DEPTH = 8
 
 
 class Feedback(msgspec.Struct, forbid_unknown_fields=True):
@@ -49,18 +50,8 @@ class ClassifierChange(msgspec.Struct, forbid_unknown_fields=True):
     force: bool = False
 
 
-def _decode(raw: bytes, kind: type) -> Any:
-    check_json_depth(raw, 8)
-    try:
-        return msgspec.json.decode(raw, type=kind)
-    except msgspec.ValidationError as exc:
-        raise ApiError(400, f"invalid body: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
-
-
 def _learner(gw: Gateway):
-    router = _router(gw)
+    router = cascade_of(gw)
     if gw.learner is None:
         raise ApiError(404, "labels are not collected on this gateway", code="not_configured")
     return router, gw.learner
@@ -93,7 +84,8 @@ def learning_routes(gw: Gateway) -> list:
     @post("/v1/feedback", status_code=200)
     async def feedback(request: Request) -> dict[str, Any]:
         tenant = await authenticate(gw, request)
-        body = _decode(await read_body(request, gw.config.body_timeout_s), Feedback)
+        raw = await read_body(request, gw.config.body_timeout_s)
+        body = decode_struct(raw, Feedback, max_depth=_MAX_JSON_DEPTH)
         _, learner = _learner(gw)
         found = await learner.feedback(
             gw, tenant.tenant_id, body.request_id, body.outcome == "ok", body.score
@@ -107,24 +99,38 @@ def learning_routes(gw: Gateway) -> list:
             )
         return {"recorded": True, "request_id": body.request_id}
 
-    @get("/admin/routing/classifiers/{tenant:str}")
-    async def classifier_state(request: Request, tenant: FromPath[str]) -> dict[str, Any]:
-        _require_admin(gw, request)
+    return [feedback]
+
+
+def _registry(gw: Gateway):
+    router = cascade_of(gw)
+    if router.classifiers is None:
+        raise ApiError(404, "per-tenant classifiers are not configured", code="not_configured")
+    return router.classifiers
+
+
+class ClassifierController(AdminController):
+    """Per-tenant classifiers (upload, promote past the held-out check, roll back) and the
+    labels to train them on."""
+
+    path = "/admin/routing"
+
+    @get("/classifiers/{tenant:str}")
+    async def classifier_state(self, gw: GatewayDep, tenant: FromPath[str]) -> dict[str, Any]:
         return await _registry(gw).state(tenant)
 
-    @put("/admin/routing/classifiers/{tenant:str}", status_code=200)
-    async def put_classifier(request: Request, tenant: FromPath[str]) -> Response:
-        _require_admin(gw, request)
-        raw = await request.body()
-        if len(raw) > MAX_UPLOAD_BYTES:
-            raise ApiError(413, f"request body over {MAX_UPLOAD_BYTES} bytes")
-        change = _decode(raw, ClassifierChange)
+    @put("/classifiers/{tenant:str}", status_code=200)
+    async def put_classifier(
+        self, gw: GatewayDep, request: Request, tenant: FromPath[str], who: AdminUser = "admin"
+    ) -> Response:
+        change = await read_struct(
+            request, ClassifierChange, max_bytes=MAX_UPLOAD_BYTES, max_depth=_MAX_JSON_DEPTH
+        )
         if sum(x is not None for x in (change.files, change.path, change.version)) != 1:
             raise ApiError(400, "give exactly one of files, path, version")
         if await gw.store.get_tenant(tenant) is None:
             raise ApiError(404, f"unknown tenant {tenant!r}", code="tenant_not_found")
         registry = _registry(gw)
-        who = request.headers.get("x-admin-user", "admin")
         router, learner = _learner(gw)
         version = change.version
         if version is None:
@@ -156,28 +162,27 @@ def learning_routes(gw: Gateway) -> list:
         doc = await registry.point(tenant, version, who, action, figures)
         return Response({"tenant": tenant, **doc, "figures": figures}, status_code=200)
 
-    @post("/admin/routing/classifiers/{tenant:str}/rollback", status_code=200)
-    async def rollback(request: Request, tenant: FromPath[str]) -> dict[str, Any]:
-        _require_admin(gw, request)
+    @post("/classifiers/{tenant:str}/rollback", status_code=200)
+    async def rollback(
+        self, gw: GatewayDep, tenant: FromPath[str], who: AdminUser = "admin"
+    ) -> dict[str, Any]:
         registry = _registry(gw)
         state = await registry.state(tenant)
         previous = state["previous"][-1] if state["previous"] else None
         if state["current"] is None:
             raise ApiError(409, f"{tenant!r} already routes with the default classifier")
-        who = request.headers.get("x-admin-user", "admin")
         return {"tenant": tenant, **await registry.point(tenant, previous, who, "rollback")}
 
-    @delete("/admin/routing/classifiers/{tenant:str}", status_code=200)
-    async def use_default(request: Request, tenant: FromPath[str]) -> dict[str, Any]:
-        _require_admin(gw, request)
-        who = request.headers.get("x-admin-user", "admin")
+    @delete("/classifiers/{tenant:str}", status_code=200)
+    async def use_default(
+        self, gw: GatewayDep, tenant: FromPath[str], who: AdminUser = "admin"
+    ) -> dict[str, Any]:
         return {"tenant": tenant, **await _registry(gw).point(tenant, None, who, "default")}
 
-    @get("/admin/routing/labels/{tenant:str}")
+    @get("/labels/{tenant:str}")
     async def export_labels(
-        request: Request, tenant: FromPath[str], split: FromQuery[str] = "train"
+        self, gw: GatewayDep, tenant: FromPath[str], split: FromQuery[str] = "train"
     ) -> dict[str, Any]:
-        _require_admin(gw, request)
         if split not in ("train", "holdout", "all"):
             raise ApiError(400, "split must be train, holdout or all", param="split")
         _, learner = _learner(gw)
@@ -185,16 +190,3 @@ def learning_routes(gw: Gateway) -> list:
         prompts = await learner.store.prompts(tenant, [lab.request_id for lab in labels])
         rows, skipped = training_rows(labels, prompts, split)
         return {"tenant": tenant, "num_labels": len(labels), "rows": rows, "skipped": skipped}
-
-    return [feedback, classifier_state, put_classifier, rollback, use_default, export_labels]
-
-
-def _registry(gw: Gateway):
-    router = _router(gw)
-    if router.classifiers is None:
-        raise ApiError(404, "per-tenant classifiers are not configured", code="not_configured")
-    return router.classifiers
-
-
-def learning_router(gw: Gateway) -> Router:
-    return Router(path="/", route_handlers=learning_routes(gw))

@@ -14,7 +14,7 @@ from typing import Any
 
 from litestar import Request, Response, get
 
-from gateway.api.admin import _require_admin
+from gateway.api.admin_base import AdminController, GatewayDep
 from gateway.gateway import Gateway
 from gateway.serving.intake import authenticate_key
 from quota.errors import QuotaUnavailable
@@ -115,18 +115,19 @@ def to_csv(rows: list[dict], group_by: str) -> str:
     return out.getvalue()
 
 
-def usage_routes(gw: Gateway) -> list:
-    reader = gw.usage
+def need_reader(gw: Gateway) -> UsageReader:
+    if gw.usage is None:
+        raise ApiError(404, "this gateway keeps no usage history", code="usage_not_enabled")
+    return gw.usage
 
-    def need_reader() -> UsageReader:
-        if reader is None:
-            raise ApiError(404, "this gateway keeps no usage history", code="usage_not_enabled")
-        return reader
+
+def usage_routes(gw: Gateway) -> list:
+    """`GET /v1/usage`, for the caller's own tenant."""
 
     @get("/v1/usage")
     async def tenant_usage(request: Request) -> dict[str, Any]:
         _, tenant = await authenticate_key(gw, request)
-        r = need_reader()
+        r = need_reader(gw)
         rng, group_by = usage_range(request, r)
         recent = _recent_limit(request, 20)
         try:
@@ -144,10 +145,14 @@ def usage_routes(gw: Gateway) -> list:
             "recent": lines,
         }
 
-    @get("/admin/usage")
-    async def admin_usage(request: Request) -> Any:
-        _require_admin(gw, request)
-        r = need_reader()
+    return [tenant_usage]
+
+
+class UsageController(AdminController):
+    @get("/usage")
+    async def admin_usage(self, gw: GatewayDep, request: Request) -> Any:
+        """Every tenant's usage (`tenant=` picks one), JSON or `format=csv`."""
+        r = need_reader(gw)
         rng, group_by = usage_range(request, r)
         fmt = request.query_params.get("format") or "json"
         if fmt not in ("json", "csv"):
@@ -180,5 +185,3 @@ def usage_routes(gw: Gateway) -> list:
         if recent:
             doc["recent"] = recents
         return doc
-
-    return [tenant_usage, admin_usage]

@@ -114,3 +114,53 @@ def test_the_openapi_schema_lists_the_admin_api(stack):
     assert {"get", "put", "patch"} <= set(paths["/admin/routing"])
     for path in ("/admin/usage", "/admin/fleet", "/admin/tenants/{tenant_id}/keys", "/v1/usage"):
         assert "get" in paths[path], path
+
+
+def test_a_constraint_violation_is_a_400_naming_the_field_in_param(stack):
+    key = stack.tenant("acme")
+    cases = [
+        ("POST", "/admin/tenants", {"name": "no id"}, "tenant_id"),
+        ("POST", "/admin/tenants", {"tenant_id": 5}, "tenant_id"),
+        ("POST", "/admin/tenants", {"tenant_id": "b", "name": ""}, "name"),
+        ("PATCH", "/admin/tenants/acme", {"name": "n" * 201}, "name"),
+        ("PATCH", "/admin/tenants/acme", {"limits": {"max_context": 0}}, "limits.max_context"),
+        ("PUT", "/admin/tenants/acme", {"limits": {"tokens_per_day": -5}}, "limits.tokens_per_day"),
+        (
+            "PATCH",
+            "/admin/tenants/acme",
+            {"limits": {"tokens_per_hour": 5}},
+            "limits.tokens_per_hour",
+        ),
+        ("PUT", "/admin/tenants/acme", {"colour": "red"}, "colour"),
+        (
+            "POST",
+            "/admin/tenants/acme/keys",
+            {"limits": {"max_concurrent": 0}},
+            "limits.max_concurrent",
+        ),
+        ("POST", "/admin/tenants/acme/keys", {"expires_at": "soon"}, "expires_at"),
+        ("POST", "/admin/tenants/acme/keys", {"name": 7}, "name"),
+        ("POST", "/admin/tenants/acme/keys", {"scope": "all"}, "scope"),
+    ]
+    with stack.admin() as c:
+        for method, path, body, param in cases:
+            r = c.request(method, path, json=body)
+            assert r.status_code == 400, (method, path, body, r.text)
+            error = r.json()["error"]
+            assert error["param"] == param, (body, error)
+            assert error["type"] == "invalid_request_error" and error["message"], body
+        tenant = c.get("/admin/tenants/acme").json()
+        assert tenant["name"] == "acme" and tenant["limits"]["max_context"] is None
+        assert [t["tenant_id"] for t in c.get("/admin/tenants").json()["data"]] == ["acme"]
+        assert len(c.get("/admin/tenants/acme/keys").json()["data"]) == 1
+        for raw in (b"[1, 2]", b"{not json", b'"acme"'):
+            r = c.patch("/admin/tenants/acme", content=raw)
+            assert r.status_code == 400 and set(r.json()) == {"error"}, raw
+    with stack.client(key) as c:
+        r = c.post("/v1/feedback", json={"request_id": "r", "outcome": "meh"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "outcome"
+    with stack.admin() as c:
+        r = c.put("/admin/routing/classifiers/acme", json={"version": "1"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "version"
+        r = c.put("/admin/routing/classifiers/acme", json={"files": {"model.json": 5}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "files"

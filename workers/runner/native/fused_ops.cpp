@@ -145,7 +145,7 @@ int64_t argmax_row(const float* r, int64_t V) {
   return 0;  // every value is -inf: torch answers the first
 }
 
-// out = weight * (x * rsqrt(mean(x^2) + eps)).to(T), as workers.model.rms_norm; with
+// out = weight * (x * rsqrt(mean(x^2) + eps)).to(T), as workers.runner.ops.rms_norm; with
 // `residual`, first h += residual in place (h is x).
 template <typename T>
 void rms_norm_rows(const at::Tensor& h, const at::Tensor* residual, const at::Tensor& weight,
