@@ -6,9 +6,12 @@ these per request.
 """
 
 import math
+import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
 
 _ABOVE_ANY_SCORE = math.nextafter(1.0, 2.0)  # a threshold no score in [0, 1] reaches
 DEFAULT_TARGET_FRACTION = 0.3  # share of reference traffic `auto` sends large by default
@@ -23,8 +26,11 @@ class InvalidRouting(Exception):
         self.param = param
 
 
-@dataclass
-class EscalationSettings:
+Logprob = Annotated[float, Meta(le=0.0)]  # natural log: at most 0
+Fraction = Annotated[float, Meta(ge=0.0, le=1.0)]
+
+
+class EscalationSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Re-ask the large model when the small model's answer looks unsure.
 
     Escalate when the mean token logprob is below `min_mean_logprob` or any token's is
@@ -32,15 +38,16 @@ class EscalationSettings:
     """
 
     enabled: bool = False
-    min_mean_logprob: float = -1.5
-    min_token_logprob: float = -6.0
+    min_mean_logprob: Logprob = -1.5
+    min_token_logprob: Logprob = -6.0
 
 
 JUDGE_NAMES = ("exact", "final_answer", "confidence", "http")
+JudgeName = Literal["exact", "final_answer", "confidence", "http"]
+HttpUrl = Annotated[str, Meta(pattern=r"^https?://", max_length=2048)]
 
 
-@dataclass
-class LearningSettings:
+class LearningSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """How a tenant's traffic labels its router (per tenant, "*" the default).
 
     `shadow_fraction` of its non-streaming `auto` requests are also run on the other pool,
@@ -52,20 +59,22 @@ class LearningSettings:
     classifier). `max_labels` bounds its label stream.
     """
 
-    shadow_fraction: float = 0.0
-    judge: str = "final_answer"
-    judge_url: str | None = None
-    judge_min_mean_logprob: float = -1.0  # the confidence judge's bounds
-    judge_min_token_logprob: float = -6.0
+    shadow_fraction: Fraction = 0.0
+    judge: JudgeName = "final_answer"
+    judge_url: HttpUrl | None = None
+    judge_min_mean_logprob: Logprob = -1.0  # the confidence judge's bounds
+    judge_min_token_logprob: Logprob = -6.0
     feedback: bool = False
-    feedback_ttl_s: float = 86_400.0
+    feedback_ttl_s: Annotated[float, Meta(ge=1.0, le=365 * 86_400.0)] = 86_400.0
     keep_prompts: bool = False
-    prompt_retention_s: float = 30 * 86_400.0
-    max_labels: int = 100_000
+    prompt_retention_s: Annotated[float, Meta(ge=1.0, le=3650 * 86_400.0)] = 30 * 86_400.0
+    max_labels: Annotated[int, Meta(ge=1, le=10_000_000)] = 100_000
 
 
-@dataclass
-class RoutingSettings:
+TenantId = Annotated[str, Meta(min_length=1)]
+
+
+class RoutingSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Cascade thresholds: a request goes large when its score >= its threshold.
 
     A target fraction (0..1 of reference traffic sent large) overrides the threshold at
@@ -75,164 +84,101 @@ class RoutingSettings:
     `escalation` and `learning` are per tenant, with key "*" as the default.
     `shadow_tokens_per_minute` is the operator's budget for shadow runs, over all tenants
     and gateway replicas (0: none). `version` increases with every change.
+
+    The constraints are checked when a document is decoded (`settings_from_dict`), not on
+    assignment.
     """
 
-    default_threshold: float = 0.5
-    tenant_thresholds: dict[str, float] = field(default_factory=dict)
-    key_thresholds: dict[str, float] = field(default_factory=dict)  # by API key id
-    default_target_fraction: float | None = DEFAULT_TARGET_FRACTION
-    tenant_target_fractions: dict[str, float] = field(default_factory=dict)
-    overflow_max_wait_s: float = 5.0
-    escalation: dict[str, EscalationSettings] = field(default_factory=dict)
-    learning: dict[str, LearningSettings] = field(default_factory=dict)
-    shadow_tokens_per_minute: int = 0
-    version: int = 0
+    default_threshold: Fraction = 0.5
+    tenant_thresholds: dict[TenantId, Fraction] = msgspec.field(default_factory=dict)
+    key_thresholds: dict[TenantId, Fraction] = msgspec.field(default_factory=dict)  # by key id
+    default_target_fraction: Fraction | None = DEFAULT_TARGET_FRACTION
+    tenant_target_fractions: dict[TenantId, Fraction] = msgspec.field(default_factory=dict)
+    overflow_max_wait_s: Annotated[float, Meta(ge=0.0)] = 5.0
+    escalation: dict[TenantId, EscalationSettings] = msgspec.field(default_factory=dict)
+    learning: dict[TenantId, LearningSettings] = msgspec.field(default_factory=dict)
+    shadow_tokens_per_minute: Annotated[int, Meta(ge=0, le=10**12)] = 0
+    version: Annotated[int, Meta(ge=0)] = 0
 
 
-def _number(value: Any, param: str, lo: float, hi: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-        raise InvalidRouting(f"{param} must be a number", param)
-    if not lo <= value <= hi:
-        raise InvalidRouting(f"{param} must be in [{lo}, {hi}], got {value}", param)
-    return float(value)
+# The per-tenant (or per-key) maps, whose entries the error's path names.
+_MAP_FIELDS = (
+    "tenant_thresholds",
+    "key_thresholds",
+    "tenant_target_fractions",
+    "escalation",
+    "learning",
+)
+# Keyed by tenant id (key_thresholds is keyed by key id).
+_TENANT_FIELDS = ("tenant_thresholds", "tenant_target_fractions", "escalation", "learning")
+# With "*", the default for tenants without their own entry.
+_STAR_FIELDS = ("escalation", "learning")
+# msgspec's messages end in "- at `$.a.b`"; a map's entry is "$.a[...]", naming no key.
+_AT = re.compile(r" - at (?:`key` in )?`\$([^`]*)`$")
+_FIELD = re.compile(r"^Object (?:contains unknown|missing required) field `(.+)`", re.DOTALL)
 
 
-def _tenant_map(
-    raw: Any, param: str, known_tenants: set[str] | None, allow_default: bool = False
-) -> dict[str, Any]:
-    if not isinstance(raw, dict):
-        raise InvalidRouting(f"{param} must be an object keyed by tenant id", param)
-    for tenant in raw:
-        if allow_default and tenant == "*":
-            continue
-        if not isinstance(tenant, str) or (
-            known_tenants is not None and tenant not in known_tenants
-        ):
-            raise InvalidRouting(f"unknown tenant {tenant!r} in {param}", f"{param}.{tenant}")
-    return raw
-
-
-def _escalation(raw: Any, param: str) -> EscalationSettings:
-    if not isinstance(raw, dict):
-        raise InvalidRouting(f"{param} must be an object", param)
-    unknown = set(raw) - {"enabled", "min_mean_logprob", "min_token_logprob"}
-    if unknown:
-        name = sorted(unknown)[0]
-        raise InvalidRouting(f"unknown field {name!r}", f"{param}.{name}")
-    out = EscalationSettings()
-    if "enabled" in raw:
-        if not isinstance(raw["enabled"], bool):
-            raise InvalidRouting(f"{param}.enabled must be true or false", f"{param}.enabled")
-        out.enabled = raw["enabled"]
-    for name in ("min_mean_logprob", "min_token_logprob"):
-        if name in raw:
-            setattr(out, name, _number(raw[name], f"{param}.{name}", -math.inf, 0.0))
-    return out
-
-
-_LEARNING_NUMBERS = {
-    "shadow_fraction": (0.0, 1.0),
-    "judge_min_mean_logprob": (-math.inf, 0.0),
-    "judge_min_token_logprob": (-math.inf, 0.0),
-    "feedback_ttl_s": (1.0, 365 * 86_400.0),
-    "prompt_retention_s": (1.0, 3650 * 86_400.0),
-}
-
-
-def _learning(raw: Any, param: str) -> LearningSettings:
-    if not isinstance(raw, dict):
-        raise InvalidRouting(f"{param} must be an object", param)
-    unknown = set(raw) - set(LearningSettings.__dataclass_fields__)
-    if unknown:
-        name = sorted(unknown)[0]
-        raise InvalidRouting(f"unknown field {name!r}", f"{param}.{name}")
-    out = LearningSettings()
-    for name, (lo, hi) in _LEARNING_NUMBERS.items():
-        if name in raw:
-            setattr(out, name, _number(raw[name], f"{param}.{name}", lo, hi))
-    for name in ("feedback", "keep_prompts"):
-        if name in raw:
-            if not isinstance(raw[name], bool):
-                raise InvalidRouting(f"{param}.{name} must be true or false", f"{param}.{name}")
-            setattr(out, name, raw[name])
-    if "max_labels" in raw:
-        out.max_labels = int(_number(raw["max_labels"], f"{param}.max_labels", 1, 10_000_000))
-    if "judge" in raw:
-        if raw["judge"] not in JUDGE_NAMES:
-            raise InvalidRouting(f"{param}.judge must be one of {JUDGE_NAMES}", f"{param}.judge")
-        out.judge = raw["judge"]
-    if raw.get("judge_url") is not None:
-        url = raw["judge_url"]
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise InvalidRouting(f"{param}.judge_url must be an http(s) URL", f"{param}.judge_url")
-        out.judge_url = url
-    if out.judge == "http" and out.judge_url is None:
-        raise InvalidRouting(f"{param}: the http judge needs judge_url", f"{param}.judge_url")
-    return out
-
-
-def settings_from_dict(raw: dict, known_tenants: set[str] | None = None) -> RoutingSettings:
+def settings_from_dict(raw: Any, known_tenants: set[str] | None = None) -> RoutingSettings:
     """Validate and build settings; missing fields take defaults.
 
-    Thresholds and fractions must lie in [0, 1]; tenant keys must be in `known_tenants`
-    (None: not checked). Raises `InvalidRouting` naming the field, e.g.
+    Types are strict (`true` is not a number, `"0.5"` is not a threshold) and unknown
+    fields are refused. Thresholds and fractions must lie in [0, 1]; tenant keys must be in
+    `known_tenants` (None: not checked). Raises `InvalidRouting` naming the field, e.g.
     `tenant_thresholds.acme`.
     """
     if not isinstance(raw, dict):
         raise InvalidRouting("routing settings must be an object", "routing")
-    fields = set(RoutingSettings.__dataclass_fields__)
-    unknown = sorted(set(raw) - fields)
-    if unknown:
-        raise InvalidRouting(f"unknown field {unknown[0]!r}", unknown[0])
-    s = RoutingSettings()
-    if "default_threshold" in raw:
-        s.default_threshold = _number(raw["default_threshold"], "default_threshold", 0.0, 1.0)
-        if "default_target_fraction" not in raw:  # an explicit threshold is meant to apply
-            s.default_target_fraction = None
-    if "default_target_fraction" in raw and raw["default_target_fraction"] is None:
-        s.default_target_fraction = None
-    if raw.get("default_target_fraction") is not None:
-        s.default_target_fraction = _number(
-            raw["default_target_fraction"], "default_target_fraction", 0.0, 1.0
-        )
-    for name in ("tenant_thresholds", "tenant_target_fractions"):
-        if name in raw:
-            table = _tenant_map(raw[name], name, known_tenants)
-            setattr(s, name, {t: _number(v, f"{name}.{t}", 0.0, 1.0) for t, v in table.items()})
-    if "key_thresholds" in raw:
-        table = raw["key_thresholds"]
-        if not isinstance(table, dict) or not all(isinstance(k, str) and k for k in table):
-            raise InvalidRouting(
-                "key_thresholds must be an object keyed by key id", "key_thresholds"
-            )
-        s.key_thresholds = {
-            k: _number(v, f"key_thresholds.{k}", 0.0, 1.0) for k, v in table.items()
-        }
-    if "overflow_max_wait_s" in raw:
-        s.overflow_max_wait_s = _number(
-            raw["overflow_max_wait_s"], "overflow_max_wait_s", 0.0, math.inf
-        )
-    if "escalation" in raw:
-        table = _tenant_map(raw["escalation"], "escalation", known_tenants, allow_default=True)
-        s.escalation = {t: _escalation(v, f"escalation.{t}") for t, v in table.items()}
-    if "learning" in raw:
-        table = _tenant_map(raw["learning"], "learning", known_tenants, allow_default=True)
-        s.learning = {t: _learning(v, f"learning.{t}") for t, v in table.items()}
-    if "shadow_tokens_per_minute" in raw:
-        s.shadow_tokens_per_minute = int(
-            _number(raw["shadow_tokens_per_minute"], "shadow_tokens_per_minute", 0, 10**12)
-        )
-    if "version" in raw:
-        v = raw["version"]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise InvalidRouting("version must be a non-negative integer", "version")
-        s.version = v
+    if "default_threshold" in raw and "default_target_fraction" not in raw:
+        raw = {**raw, "default_target_fraction": None}  # an explicit threshold is meant to apply
+    try:
+        s = msgspec.convert(raw, RoutingSettings, strict=True)
+    except msgspec.ValidationError as exc:
+        message, param = _located(raw, str(exc))
+        raise InvalidRouting(f"{param}: {message}", param) from None
+    for name in _TENANT_FIELDS:
+        for tenant in getattr(s, name):
+            if (
+                known_tenants is not None
+                and tenant not in known_tenants
+                and not (tenant == "*" and name in _STAR_FIELDS)
+            ):
+                raise InvalidRouting(f"unknown tenant {tenant!r} in {name}", f"{name}.{tenant}")
+    for tenant, learning in s.learning.items():
+        if learning.judge == "http" and learning.judge_url is None:
+            param = f"learning.{tenant}.judge_url"
+            raise InvalidRouting(f"learning.{tenant}: the http judge needs judge_url", param)
     return s
+
+
+def _located(raw: dict, message: str) -> tuple[str, str]:
+    """msgspec's message, and the dotted path of the field it is about. msgspec names no
+    key inside a map (`$.learning[...].judge`): the entry is found by decoding the map's
+    entries one at a time."""
+    at = _AT.search(message)
+    path = at.group(1) if at else ""
+    text = message[: at.start()] if at else message
+    if "[...]" in path:
+        name = path.split("[", 1)[0].lstrip(".")
+        entries: dict[str, Any] = raw[name]  # "[...]": a map's entry, so raw[name] is one
+        bad = next((k for k in entries if not _decodes({name: {k: entries[k]}})), None)
+        path = path.replace("[...]", f".{bad}", 1) if bad is not None else f".{name}"
+    field = _FIELD.match(text)
+    if field:
+        path = f"{path}.{field.group(1)}"
+    return text, path.lstrip(".") or "routing"
+
+
+def _decodes(raw: dict) -> bool:
+    try:
+        msgspec.convert(raw, RoutingSettings, strict=True)
+    except msgspec.ValidationError:
+        return False
+    return True
 
 
 def settings_to_dict(s: RoutingSettings) -> dict:
     """Plain JSON-able dict; `settings_from_dict(settings_to_dict(s)) == s`."""
-    return asdict(s)
+    return msgspec.to_builtins(s)
 
 
 def threshold_for_fraction(reference_scores: Sequence[float], fraction: float) -> float:
@@ -324,15 +270,6 @@ def should_escalate(token_logprobs: Sequence[float], settings: EscalationSetting
         return False
     mean, lowest = answer_confidence(token_logprobs)
     return mean < settings.min_mean_logprob or lowest < settings.min_token_logprob
-
-
-_MAP_FIELDS = (
-    "tenant_thresholds",
-    "key_thresholds",
-    "tenant_target_fractions",
-    "escalation",
-    "learning",
-)
 
 
 def merge_settings(current: dict, patch: dict) -> dict:

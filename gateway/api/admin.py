@@ -95,8 +95,8 @@ class KeyController(AdminController):
 
 
 class RoutingController(AdminController):
-    """The cascade's settings, validated by `cascade.policy.settings_from_dict`; each change
-    is audited."""
+    """The cascade's settings (`cascade.policy.RoutingSettings`, decoded strictly by
+    `settings_from_dict`); each change is audited."""
 
     path = "/admin/routing"
 

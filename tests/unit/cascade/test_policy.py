@@ -175,3 +175,21 @@ def test_merge_settings_keeps_what_a_patch_leaves_out_and_null_resets():
         ).default_target_fraction
         is None
     )
+
+
+def test_settings_decode_strictly_and_name_the_entry_inside_a_map() -> None:
+    for raw_bad, param in (
+        ({"default_threshold": "0.5"}, "default_threshold"),  # a string is not a number
+        ({"default_threshold": float("nan")}, "default_threshold"),
+        ({"shadow_tokens_per_minute": 1.5}, "shadow_tokens_per_minute"),
+        ({"tenant_thresholds": {"": 0.5}}, "tenant_thresholds"),
+        ({"tenant_thresholds": [0.5]}, "tenant_thresholds"),
+        ({"escalation": {"acme": {"enabled": "yes"}}}, "escalation.acme.enabled"),
+        ({"learning": {"acme": {"judge_url": "ftp://judge"}}}, "learning.acme.judge_url"),
+        ({"learning": {"*": {"max_labels": 0}}}, "learning.*.max_labels"),
+        ({"key_thresholds": {"k1": 0.1, "k2": 7}}, "key_thresholds.k2"),
+    ):
+        with pytest.raises(InvalidRouting) as info:
+            settings_from_dict(raw_bad, {"acme"})
+        assert info.value.param == param, raw_bad
+        assert info.value.message.startswith(f"{param}: "), info.value.message
