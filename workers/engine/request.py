@@ -25,6 +25,8 @@ class Request:
 
     `num_computed_tokens` counts tokens of `all_token_ids` whose KV is in the cache; the
     scheduler's only job is to move it forward. Lower `priority` values are served first.
+    `tenant` is whose work it is, for the scheduler's fair share of each step's prefill
+    budget (None: one shared, anonymous tenant).
     """
 
     __slots__ = (
@@ -34,6 +36,7 @@ class Request:
         "all_token_ids",
         "params",
         "priority",
+        "tenant",
         "arrival_time",
         "deadline",
         "cache_salt",
@@ -60,6 +63,7 @@ class Request:
         *,
         arrival_time: float,
         priority: int = 0,
+        tenant: str | None = None,
         deadline: float | None = None,
         cache_salt: str | None = None,
         eos_token_ids: tuple[int, ...] = (),
@@ -70,6 +74,7 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.params = params
         self.priority = priority
+        self.tenant = tenant
         self.arrival_time = arrival_time
         self.deadline = deadline  # absolute, on the engine's clock; None = no deadline
         self.cache_salt = cache_salt
