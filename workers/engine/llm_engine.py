@@ -97,6 +97,7 @@ class LLMEngine:
         prompt_token_ids: Sequence[int] | None = None,
         params: SamplingParams | None = None,
         priority: int = 0,
+        tenant: str | None = None,
         cache_salt: str | None = None,
         deadline: float | None = None,
         add_special_tokens: bool = True,
@@ -107,6 +108,8 @@ class LLMEngine:
         A prompt rendered by the chat template already holds its special tokens (BOS
         included, where the template writes it): pass `add_special_tokens=False`.
         `grammar`: the output must match it (compiled here, once per distinct schema).
+        `tenant`: whose work it is (the scheduler shares each step's prefill budget fairly
+        between tenants; None: anonymous).
         """
         params = params or SamplingParams()
         if (prompt is None) == (prompt_token_ids is None):
@@ -140,6 +143,7 @@ class LLMEngine:
             params,
             arrival_time=self.clock(),
             priority=priority,
+            tenant=tenant,
             deadline=deadline,
             cache_salt=cache_salt,
             eos_token_ids=self.eos_token_ids,
@@ -158,6 +162,7 @@ class LLMEngine:
             replace(parent.params, seed=seed),
             arrival_time=parent.arrival_time,
             priority=parent.priority,
+            tenant=parent.tenant,
             deadline=parent.deadline,
             cache_salt=parent.cache_salt,
             eos_token_ids=parent.eos_token_ids,
