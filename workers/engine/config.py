@@ -22,6 +22,11 @@ class SchedulerConfig:
     attention_parity_context: int | None = None
     enable_chunked_prefill: bool = True  # False: a prompt is prefilled in one step or waits
     aging_steps: int = 64  # a waiting request gains one priority level per this many steps
+    # Fair share between tenants, in tokens of work: each step's prefill budget goes chunk
+    # by chunk to the tenant served the fewest tokens (prefill and decode) lately, counted
+    # with this half-life in steps. So one tenant's queue of long prompts cannot hold back
+    # another tenant's first token; within a tenant the order is unchanged.
+    fair_share_half_life_steps: int = 64
 
 
 DECODE_GRAPH_MODES = ("auto", "off", "eager")

@@ -1,10 +1,13 @@
 """The continuous-batching scheduler. No torch: block ids and token counts only.
 
 One rule: every request has `num_computed_tokens`; each step packs running decodes
-first, then prefill chunks (running ones, then new admissions), under a token budget.
-When KV blocks run out, the scheduler preempts by recompute.
+first, then prefill chunks, under a token budget. The prefill chunks go tenant by tenant,
+to whichever tenant has been served the fewest tokens lately (`TenantService`); within a
+tenant, its running prefills first, then its new admissions. When KV blocks run out, the
+scheduler preempts by recompute.
 """
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -68,6 +71,54 @@ def chunk_cost(num_new: int, context: int, parity: int | None) -> int:
     return -(-num_new * (parity + context) // parity)
 
 
+@dataclass
+class _Step:
+    """One `schedule` call's bookkeeping: what is scheduled, what it costs of the budget."""
+
+    budget: int
+    scheduled: dict[str, tuple[Request, int]] = field(default_factory=dict)  # by request id
+    charged: dict[str, int] = field(default_factory=dict)  # budget taken, by request id
+    given: dict[str | None, int] = field(default_factory=dict)  # budget taken, by tenant
+    admitted: list[Request] = field(default_factory=list)
+
+    def schedule(self, req: Request, num_new: int, cost: int) -> None:
+        self.scheduled[req.request_id] = (req, num_new)
+        self.charged[req.request_id] = cost
+        self.given[req.tenant] = self.given.get(req.tenant, 0) + cost
+        self.budget -= cost
+
+    def unschedule(self, req: Request) -> None:
+        """A request preempted after it was scheduled gives its budget back."""
+        if self.scheduled.pop(req.request_id, None) is not None:
+            cost = self.charged.pop(req.request_id)
+            self.given[req.tenant] -= cost
+            self.budget += cost
+
+
+class TenantService:
+    """Tokens of work each tenant was served lately (prefill chunks at their budget cost,
+    decodes at one), decaying by half every `half_life_steps` steps. Tenants whose count has
+    decayed below one token are forgotten, so the table holds only recent tenants."""
+
+    def __init__(self, half_life_steps: int) -> None:
+        self._decay = 0.5 ** (1 / half_life_steps) if half_life_steps > 0 else 0.0
+        self._served: dict[str | None, tuple[float, int]] = {}  # tenant -> (tokens, at step)
+
+    def served(self, tenant: str | None, step: int) -> float:
+        tokens, at = self._served.get(tenant, (0.0, step))
+        return tokens * self._decay ** (step - at)
+
+    def charge(self, tenant: str | None, tokens: float, step: int) -> None:
+        self._served[tenant] = (self.served(tenant, step) + tokens, step)
+
+    def forget_idle(self, step: int) -> None:
+        for tenant in [t for t in self._served if self.served(t, step) < 1.0]:
+            del self._served[tenant]
+
+    def __len__(self) -> int:
+        return len(self._served)
+
+
 class Scheduler:
     """Owns the waiting queue and the running batch; the engine owns everything else."""
 
@@ -85,6 +136,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.step_count = 0
         self.num_preemptions = 0
+        self.service = TenantService(config.fair_share_half_life_steps)
 
     @property
     def num_waiting(self) -> int:
@@ -107,102 +159,133 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.step_count += 1
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
-        if not out.preempted:
-            self._schedule_waiting(out, budget)
+        self._expire_waiting(out)
+        step = _Step(self.config.max_num_batched_tokens)
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        for req in decodes:
+            self._schedule_running(req, step, out)
+        # Prefill chunks: one at a time to the tenant served least (lately, plus what it has
+        # been given this step), the head of its lane. A lane is the tenant's running
+        # prefills, then its waiting requests in priority order.
+        lanes: dict[str | None, deque[Request]] = {}
+        for req in self.running:
+            if req.num_tokens - req.num_computed_tokens > 1:
+                lanes.setdefault(req.tenant, deque()).append(req)
+        for req in self._waiting_order():
+            lanes.setdefault(req.tenant, deque()).append(req)
+        admitting = True
+        while step.budget > 0 and lanes:
+            tenant = min(lanes, key=lambda t: self._lane_key(lanes, t, step))
+            lane = lanes[tenant]
+            req = lane.popleft()
+            if not lane:
+                del lanes[tenant]
+            if req.status is RequestStatus.RUNNING:
+                self._schedule_running(req, step, out)
+            elif admitting and not out.preempted:
+                # Strict order: a head that finds no seat or no KV stops admissions this
+                # step rather than being bypassed (running prefills still go on).
+                admitting = self._admit(req, step)
+        for tenant, tokens in step.given.items():
+            self.service.charge(tenant, tokens, self.step_count)
+        self.service.forget_idle(self.step_count)
+        if step.admitted:
+            ids = {id(r) for r in step.admitted}
+            self.waiting = [r for r in self.waiting if id(r) not in ids]
+            self.running.extend(step.admitted)
+        out.scheduled = list(step.scheduled.values())
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        cfg = self.config
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        scheduled: dict[str, int] = {}  # tokens to compute
-        charged: dict[str, int] = {}  # budget they take (`chunk_cost`)
-        for req in decodes + prefills:
-            if req.status is not RequestStatus.RUNNING or budget <= 0:
-                continue
-            chunked = self._may_chunk(req)
-            remaining = req.num_tokens - req.num_computed_tokens
-            # Only prefill chunks pay for their context; a decode is one token of budget.
-            context = req.num_computed_tokens if chunked and remaining > 1 else 0
-            num_new = prefill_chunk(
-                remaining,
-                budget,
-                cfg.max_prefill_chunk,
-                chunked,
-                context,
-                cfg.attention_parity_context,
-            )
-            if num_new == 0:
-                continue
-            # A prompt's later chunks were reserved with its first (`_lookahead`).
-            lookahead = self._lookahead(req, req.num_computed_tokens + num_new)
-            while self.kv.allocate_slots(req, num_new, (), lookahead) is None:
-                victim = pick_victim(self.running)
-                budget += charged.pop(victim.request_id, 0)
-                scheduled.pop(victim.request_id, None)
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
-                    break
-            else:
-                scheduled[req.request_id] = num_new
-                charged[req.request_id] = chunk_cost(num_new, context, cfg.attention_parity_context)
-                budget -= charged[req.request_id]
-        out.scheduled = [(self.requests[rid], n) for rid, n in scheduled.items()]
-        return budget
-
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        cfg = self.config
-        now = self.clock()
-        order = sorted(
-            self.waiting,
-            key=lambda r: effective_priority(r, self.step_count, cfg.aging_steps),
+    def _lane_key(
+        self, lanes: dict[str | None, deque[Request]], tenant: str | None, step: "_Step"
+    ) -> tuple[int, float]:
+        """Which lane's head goes next: the better priority, then the tenant served least."""
+        head = lanes[tenant][0]
+        priority = (
+            head.priority
+            if head.status is RequestStatus.RUNNING
+            else effective_priority(head, self.step_count, self.config.aging_steps)
         )
+        given = step.given.get(tenant, 0)
+        return priority, self.service.served(tenant, self.step_count) + given
+
+    def _waiting_order(self) -> list[Request]:
+        return sorted(
+            (r for r in self.waiting if not r.is_finished),
+            key=lambda r: effective_priority(r, self.step_count, self.config.aging_steps),
+        )
+
+    def _expire_waiting(self, out: SchedulerOutput) -> None:
         # Only never-admitted requests expire: a preempted one has already streamed tokens.
+        now = self.clock()
         out.expired = [
             r
-            for r in order
+            for r in self._waiting_order()
             if r.deadline is not None and r.first_scheduled_time is None and now > r.deadline
         ]
         for req in out.expired:
             self.finish(req, FinishReason.DEADLINE)
-        admitted: list[Request] = []
-        for req in order:
-            if req.is_finished:
-                continue
-            if len(self.running) + len(admitted) >= cfg.max_num_seqs or budget <= 0:
-                break
-            hits, num_hit = self.kv.get_computed_blocks(req)
-            chunked = self._may_chunk(req)
-            context = num_hit if chunked else 0
-            num_new = prefill_chunk(
-                req.num_tokens - num_hit,
-                budget,
-                cfg.max_prefill_chunk,
-                chunked,
-                context,
-                cfg.attention_parity_context,
-            )
-            # Strict order: the head waits for room rather than being bypassed; only
-            # priority (bounded by ageing) lets newer work go first.
-            lookahead = self._lookahead(req, num_hit + num_new)
-            if num_new == 0 or self.kv.allocate_slots(req, num_new, hits, lookahead) is None:
-                break
-            req.num_computed_tokens = num_hit
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            req.status = RequestStatus.RUNNING
-            admitted.append(req)
-            out.scheduled.append((req, num_new))
-            budget -= chunk_cost(num_new, context, cfg.attention_parity_context)
-        if admitted:
-            ids = {id(r) for r in admitted}
-            self.waiting = [r for r in self.waiting if id(r) not in ids]
-            self.running.extend(admitted)
+
+    def _schedule_running(self, req: Request, step: "_Step", out: SchedulerOutput) -> None:
+        """A running request's next tokens (a decode, or a prefill chunk), preempting others
+        by recompute while its KV does not fit."""
+        cfg = self.config
+        if req.status is not RequestStatus.RUNNING or step.budget <= 0:
+            return
+        chunked = self._may_chunk(req)
+        remaining = req.num_tokens - req.num_computed_tokens
+        # Only prefill chunks pay for their context; a decode is one token of budget.
+        context = req.num_computed_tokens if chunked and remaining > 1 else 0
+        num_new = prefill_chunk(
+            remaining,
+            step.budget,
+            cfg.max_prefill_chunk,
+            chunked,
+            context,
+            cfg.attention_parity_context,
+        )
+        if num_new == 0:
+            return
+        # A prompt's later chunks were reserved with its first (`_lookahead`).
+        lookahead = self._lookahead(req, req.num_computed_tokens + num_new)
+        while self.kv.allocate_slots(req, num_new, (), lookahead) is None:
+            victim = pick_victim(self.running)
+            step.unschedule(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return
+        step.schedule(req, num_new, chunk_cost(num_new, context, cfg.attention_parity_context))
+
+    def _admit(self, req: Request, step: "_Step") -> bool:
+        """Admit a waiting request with its first prefill chunk; False when it finds no seat,
+        no budget or no KV (it stays at the head of the queue)."""
+        cfg = self.config
+        if len(self.running) + len(step.admitted) >= cfg.max_num_seqs:
+            return False
+        hits, num_hit = self.kv.get_computed_blocks(req)
+        chunked = self._may_chunk(req)
+        context = num_hit if chunked else 0
+        num_new = prefill_chunk(
+            req.num_tokens - num_hit,
+            step.budget,
+            cfg.max_prefill_chunk,
+            chunked,
+            context,
+            cfg.attention_parity_context,
+        )
+        lookahead = self._lookahead(req, num_hit + num_new)
+        if num_new == 0 or self.kv.allocate_slots(req, num_new, hits, lookahead) is None:
+            return False
+        req.num_computed_tokens = num_hit
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = self.clock()
+        req.status = RequestStatus.RUNNING
+        step.admitted.append(req)
+        step.schedule(req, num_new, chunk_cost(num_new, context, cfg.attention_parity_context))
+        return True
 
     @staticmethod
     def _lookahead(req: Request, num_after_chunk: int) -> int:

@@ -54,6 +54,7 @@ def make_request(
     deadline: float | None = None,
     arrival_time: float = 0.0,
     prompt: list[int] | None = None,
+    tenant: str | None = None,
 ) -> Request:
     # Distinct token ids per request id so no two requests share a prefix by accident.
     base = (zlib.crc32(request_id.encode()) % 10_000) * 1_000
@@ -64,6 +65,7 @@ def make_request(
         SamplingParams(max_tokens=max_tokens),
         arrival_time=arrival_time,
         priority=priority,
+        tenant=tenant,
         deadline=deadline,
     )
 
