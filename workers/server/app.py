@@ -302,6 +302,9 @@ def _make_engine_request(
         f"{prefix}-{uuid.uuid4().hex}",
         params=params,
         priority=body.priority,
+        # The gateway salts each tenant's prefix cache apart: the salt is the tenant, for
+        # the scheduler's fair share of prefill (requests without one share one lane).
+        tenant=body.cache_salt,
         cache_salt=body.cache_salt,
         grammar=grammar,
         **kwargs,
