@@ -1,4 +1,5 @@
-"""Workers: the inference engine (scheduler, model runner, sampler, detokenizer).
+"""Workers: the inference engine, the worker process and its fleet.
 
-Other packages import only `workers.api.types`.
+Other packages import only `workers.api` (the contract: wire types, validation, the
+client); the sub-packages are mapped in docs/architecture.md.
 """
