@@ -100,18 +100,30 @@ def _period(rng: UsageRange, group_by: str) -> dict[str, Any]:
     }
 
 
+# A spreadsheet reads a cell starting with one of these as a formula (`-2-3` is -5, `=...`
+# runs), or strips it (tab, CR) and then may; such a cell gets a leading `'`.
+_FORMULA_START = ("-", "=", "+", "@", "\t", "\r")
+
+
+def csv_cell(value: Any) -> Any:
+    """One CSV cell: None is empty, text that a spreadsheet would take for a formula is
+    prefixed with `'`; numbers are left as numbers."""
+    if value is None:
+        return ""
+    if isinstance(value, str) and value.startswith(_FORMULA_START):
+        return "'" + value
+    return value
+
+
 def to_csv(rows: list[dict], group_by: str) -> str:
+    """The rows as CSV, every cell through `csv_cell` (ids, model and key names included).
+    Text is always quoted, so a CR or newline in a name cannot start a row of its own."""
     out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
+    writer = csv.writer(out, lineterminator="\n", quoting=csv.QUOTE_NONNUMERIC)
     writer.writerow(("tenant_id", group_by, *CSV_COLUMNS))
     for row in rows:
-        writer.writerow(
-            (
-                row["tenant_id"],
-                row[group_by],
-                *("" if row[c] is None else row[c] for c in CSV_COLUMNS),
-            )
-        )
+        cells = (row["tenant_id"], row[group_by], *(row[c] for c in CSV_COLUMNS))
+        writer.writerow(tuple(csv_cell(c) for c in cells))
     return out.getvalue()
 
 

@@ -157,3 +157,27 @@ def test_a_stream_cut_by_the_worker_and_a_client_that_leaves_are_recorded(stack)
     with stack.client(key) as c:
         [row] = c.get("/v1/usage", params={"group_by": "model"}).json()["data"]
     assert row["requests"] == 2 and row["errors"] == 2
+
+
+def test_csv_cells_a_spreadsheet_would_run_as_formulas_are_quoted(redis_url):
+    """`-2-3` is a valid tenant id and -5 in a spreadsheet; a model (pool) name or a key's
+    column can start with `-`, `+`, `@`, `=`, tab or CR as well: every such cell gets a `'`."""
+    pools = {"-1+1": 1, "@sum": 1}
+    with gateway_stack(redis_url, replicas=pools) as s:
+        key = s.tenant("-2-3")
+        with s.client(key) as c:
+            for model in pools:
+                assert c.post("/v1/completions", json={**BODY, "model": model}).status_code == 200
+        wait_for(lambda: recent(s, key, 2))
+        seen: set[str] = set()
+        with s.admin() as admin:
+            for group_by in ("day", "model", "key", "hour"):
+                r = admin.get("/admin/usage", params={"group_by": group_by, "format": "csv"})
+                assert r.status_code == 200, r.text
+                rows = list(csv.reader(io.StringIO(r.text)))[1:]
+                assert rows, group_by
+                for row in rows:
+                    for cell in row:
+                        assert not cell.startswith(("-", "=", "+", "@", "\t", "\r")), row
+                    seen.update(row[:2])
+    assert {"'-2-3", "'-1+1", "'@sum"} <= seen, seen
