@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import Litestar, Request, Response, get, post
+from litestar.connection import ASGIConnection
+from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -18,9 +20,11 @@ from gateway.api.usage import UsageController, usage_routes
 from gateway.capacity.door import LoopMonitor, door_middleware
 from gateway.errors import exception_handlers
 from gateway.gateway import Gateway
+from gateway.metrics import MetricsAccess
 from gateway.runtime.group_metrics import ProcessMetrics
 from gateway.serving.handler import handle
 from gateway.serving.intake import authenticate
+from workers.api.types import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +63,20 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
             ok = False
         return Response(content={"ready": ok}, status_code=200 if ok else 503)
 
-    @get("/metrics")
+    access = MetricsAccess(gw.config.metrics_token, gw.config.metrics_networks)
+
+    def metrics_reader(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+        """Guard: 401 (`metrics_unauthorized`) unless `access` allows the request."""
+        peer = connection.client.host if connection.client else None
+        if not access.allows(peer, connection.headers.get("authorization", "")):
+            raise ApiError(
+                401,
+                "/metrics answers the metrics token (Authorization: Bearer) or the "
+                "metrics_networks only",
+                code="metrics_unauthorized",
+            )
+
+    @get("/metrics", guards=[metrics_reader])
     async def metrics() -> Response:
         if process_metrics is not None:
             content = await process_metrics.exposition()

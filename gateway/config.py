@@ -78,6 +78,11 @@ class GatewayConfig:
     # come; the rest are `other` (bounded label cardinality).
     metrics_tenants: list[str] = field(default_factory=list)
     metrics_tenant_cap: int = 20
+    # /metrics names tenants and their traffic: it answers peers in metrics_networks
+    # (CIDRs; default loopback) and requests with `Authorization: Bearer <metrics_token>`,
+    # and is a 401 to anyone else. A token with metrics_networks: [] is the token only.
+    metrics_token: str | None = None
+    metrics_networks: list[str] = field(default_factory=lambda: ["127.0.0.0/8", "::1/128"])
     fail_tokens: str = "open"
     fail_requests: str = "open"
     fail_concurrency: str = "open"

@@ -9,9 +9,13 @@ Several gateway replicas: each serves its own `/metrics` and Prometheus sums the
 answers a scrape for all of its processes, each sample labelled `process`
 (`gateway/runtime/group_metrics.py`), not through prometheus-client's multiprocess mode, which
 would not carry the scrape-time collectors (queue depth).
+
+The exposition names tenants and their traffic, so `MetricsAccess` decides who may read it.
 """
 
-from collections.abc import Callable, Collection, Iterator
+import hmac
+import ipaddress
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -58,6 +62,35 @@ class TenantLabels:
             self._seen.add(tenant_id)
             return tenant_id
         return OTHER_TENANT
+
+
+class MetricsAccess:
+    """Who may read `/metrics`: a peer whose address is in `networks` (CIDRs; the gateway's
+    default is loopback), or a request carrying `Authorization: Bearer <token>` (compared
+    in constant time; no token configured: none does). The peer is the connection's, or
+    the `X-Forwarded-For` one where uvicorn trusts the proxy (loopback by default); a
+    proxy on this host that does not set it makes every client look local."""
+
+    def __init__(self, token: str | None, networks: Iterable[str]) -> None:
+        if isinstance(networks, str):
+            raise ValueError(f"metrics_networks is a list of CIDRs, not {networks!r}")
+        self._token = token.encode() if token else None
+        # ValueError for a network that does not parse: the process does not start.
+        self._networks = tuple(ipaddress.ip_network(n, strict=False) for n in networks)
+
+    def allows(self, peer: str | None, authorization: str) -> bool:
+        if self._token is not None and authorization[:7].lower() == "bearer ":
+            if hmac.compare_digest(authorization[7:].strip().encode(), self._token):
+                return True
+        if peer is None or not self._networks:
+            return False
+        try:
+            address = ipaddress.ip_address(peer.split("%", 1)[0])
+        except ValueError:
+            return False  # not an IP peer (a unix socket, a test client's name)
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        return any(address in net for net in self._networks)
 
 
 class _PoolCollector(Collector):
