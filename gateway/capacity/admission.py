@@ -27,6 +27,17 @@ class QueueFull(Exception):
         self.retry_after_s = retry_after_s
 
 
+class NoReplica(Exception):
+    """No replica of the pool has room for this request now (all busy, draining, down or
+    already tried), or the pool has no live replica at all (`gateway.capacity.balancer.is_live`):
+    the client may retry after `retry_after_s`."""
+
+    def __init__(self, pool: str, retry_after_s: float = 1.0, why: str = "could take") -> None:
+        super().__init__(f"no replica of {pool} {why} the request")
+        self.pool = pool
+        self.retry_after_s = retry_after_s
+
+
 class DeadlineExceeded(Exception):
     """The request's deadline passed. `stage` says where: "queue" (it waited behind others
     and was never dispatched: overload), "start" (it was already past when it arrived), or
@@ -317,7 +328,10 @@ class _Waiter:
 
 class AdmissionController:
     """asyncio layer over FairQueue for one pool: requests wait for their turn AND for
-    the pool to have room.
+    the pool to have room. While the pool has no live replica (`live()` false: every
+    member unreachable, stalled or draining, or none), nothing waits for one: a request is
+    refused at once (NoReplica, 503) and those already waiting are refused at the next
+    `kick` (each load poll), instead of waiting out their deadlines.
 
     Dispatch is driven by `acquire`, `release`, `kick` and deadline timers; there is no
     background task. One ticket is dispatched at a time: the next goes only after the
@@ -332,11 +346,15 @@ class AdmissionController:
         has_room: Callable[[], bool],
         clock: Callable[[], float],
         slots: Callable[[], tuple[int, int]] | None = None,
+        live: Callable[[], bool] | None = None,
+        name: str = "the pool",
     ) -> None:
         self._queue = queue
         self._has_room = has_room
         self._clock = clock
         self._slots = slots  # (free, total) worker slots; None: no reserve for light tenants
+        self._live = live  # whether any replica serves or soon will; None: always
+        self.name = name
         self._waiters: dict[str, _Waiter] = {}
         self._num_unclaimed = 0  # dispatched tickets whose task has not resumed yet
         self._num_dispatched = 0  # dispatched and not yet released
@@ -370,6 +388,8 @@ class AdmissionController:
         now = self._clock()
         if ticket.deadline <= now:
             raise DeadlineExceeded(ticket.request_id, ticket.deadline, 0.0, "start")
+        if self._live is not None and not self._live():
+            raise self._no_live_replica()
         self._last_seen[ticket.tenant_id] = now
         if (
             len(self._queue) == 0
@@ -469,8 +489,17 @@ class AdmissionController:
         return active
 
     def kick(self) -> None:
-        """Capacity may have changed (worker loads refreshed): dispatch what fits."""
+        """Capacity may have changed (worker loads refreshed): dispatch what fits, or, with
+        no live replica left, refuse everything waiting."""
+        if self._waiters and self._live is not None and not self._live():
+            for waiter in list(self._waiters.values()):
+                self._queue.remove(waiter.ticket.request_id)
+                self._fail(waiter.ticket, self._no_live_replica())
+            return
         self._dispatch()
+
+    def _no_live_replica(self) -> NoReplica:
+        return NoReplica(self.name, self._queue.config.retry_after_s, "is live to take")
 
     def _dispatch(self) -> None:
         while self._num_unclaimed == 0 and len(self._queue) > 0 and self._has_room():

@@ -30,6 +30,12 @@ class WorkerView:
     max_inflight: int  # this gateway's cap per worker
     max_model_len: int | None = None  # from /load; None: not reported
     vocab_size: int | None = None  # from /load; None: not reported
+    joined_at: float = 0.0  # when it joined the pool (the pool's clock, seconds)
+    answered: bool = False  # it answered a poll since joining: silent now means lost
+
+
+# A replica in one of these states takes requests now or will soon (a busy one is ready).
+LIVE_STATES = frozenset({"ready", "loading"})
 
 
 def prefix_key(text_or_tokens_prefix: str | list[int], num_chars: int = 512) -> bytes:
@@ -45,6 +51,17 @@ def prefix_key(text_or_tokens_prefix: str | list[int], num_chars: int = 512) -> 
 def has_room(w: WorkerView) -> bool:
     """Ready, and under this gateway's in-flight cap."""
     return w.state == "ready" and w.inflight < w.max_inflight
+
+
+def is_live(w: WorkerView, now: float, start_grace_s: float) -> bool:
+    """Whether the replica serves, or soon will: ready (busy or not), loading (a model
+    warming up), or silent since it joined less than `start_grace_s` ago (its server is
+    still starting; so is every member of a gateway that has not polled yet, as members
+    join `loading`). Not live: unreachable after it had answered, or silent past the grace,
+    stalled, or draining."""
+    if w.state in LIVE_STATES:
+        return True
+    return w.state == "unreachable" and not w.answered and now - w.joined_at < start_grace_s
 
 
 def load_score(w: WorkerView) -> float:

@@ -14,19 +14,11 @@ States: new -> queued -> granted (holds the turn, and a worker slot when one had
 import asyncio
 from collections.abc import Collection
 
-from gateway.capacity.admission import Ticket
+from gateway.capacity.admission import NoReplica, Ticket
 from gateway.capacity.balancer import WorkerView
 from gateway.capacity.pool import Pool
 
-
-class NoReplica(Exception):
-    """No replica of the pool has room for this request now (all busy, draining, down or
-    already tried); the client may retry after `retry_after_s`."""
-
-    def __init__(self, pool: str, retry_after_s: float = 1.0) -> None:
-        super().__init__(f"no replica of {pool} could take the request")
-        self.pool = pool
-        self.retry_after_s = retry_after_s
+__all__ = ["Lease", "NoReplica"]
 
 
 class Lease:
@@ -58,8 +50,9 @@ class Lease:
         return self._state == "granted"
 
     def enqueue(self) -> None:
-        """Join the pool's fair queue. Raises QueueFull or DeadlineExceeded at once, before
-        any response has started, so the client gets the real status."""
+        """Join the pool's fair queue. Raises QueueFull, DeadlineExceeded or (no live
+        replica in the pool) NoReplica at once, before any response has started, so the
+        client gets the real status."""
         assert self._state == "new"
         self.pool.record_arrival()
         self._future = self.pool.controller.enqueue(self.ticket)

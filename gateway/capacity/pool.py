@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Callable, Collection
 
 from gateway.capacity.admission import AdmissionController, FairQueue, QueueConfig
-from gateway.capacity.balancer import WorkerView, choose_worker, has_room
+from gateway.capacity.balancer import WorkerView, choose_worker, has_room, is_live
 from workers.api.client import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -27,22 +27,27 @@ class Pool:
         queue_config: QueueConfig,
         max_inflight_per_worker: int,
         clock: Callable[[], float] = time.monotonic,
+        start_grace_s: float = 30.0,
     ) -> None:
         self.name = name
         self.client = client
         self.max_inflight_per_worker = max_inflight_per_worker
+        self.clock = clock
+        # A member silent since it joined is starting, not lost, for this long.
+        self.start_grace_s = start_grace_s
         self.views: dict[str, WorkerView] = {}
         for u in urls:
             self.add_member(u)
         self.queue_config = queue_config
         self.queue = FairQueue(queue_config, clock)
-        self.clock = clock
         self._finished: deque[float] = deque(maxlen=512)  # when requests finished, for rates
         self._arrivals: deque[float] = deque(maxlen=4096)  # when requests were offered
         self._service: deque[tuple[float, float]] = deque(maxlen=512)  # (finished, held s)
         self._ttfts: deque[tuple[float, float]] = deque(maxlen=512)  # (when, TTFT s)
         self._tokens: deque[tuple[float, int]] = deque(maxlen=4096)  # (settled, tokens out)
-        self.controller = AdmissionController(self.queue, self.has_room, clock, self.slots)
+        self.controller = AdmissionController(
+            self.queue, self.has_room, clock, self.slots, live=self.has_live_replica, name=name
+        )
         self._reported: dict[str, str] = {}
         self._lost: dict[str, asyncio.Future[None]] = {}
 
@@ -59,6 +64,7 @@ class Pool:
                 kv_total_tokens=0,
                 inflight=0,
                 max_inflight=self.max_inflight_per_worker,
+                joined_at=self.clock(),
             )
 
     def remove_member(self, url: str, lost: bool = False) -> None:
@@ -116,6 +122,12 @@ class Pool:
 
     def has_room(self) -> bool:
         return any(has_room(v) for v in self.views.values())
+
+    def has_live_replica(self) -> bool:
+        """Whether a member serves or soon will (`balancer.is_live`); False: requests are
+        refused at once rather than queued for a replica that is not coming."""
+        now = self.clock()
+        return any(is_live(v, now, self.start_grace_s) for v in self.views.values())
 
     def slots(self) -> tuple[int, int]:
         """(free, total) in-flight slots of this gateway on the ready workers."""
@@ -189,8 +201,10 @@ class Pool:
         if report is None:
             # An OpenAI-compatible server without /load (vLLM, TGI): alive = ready.
             alive = await self.client.alive(view.url)
+            view.answered = view.answered or alive
             self._set_state(view, "ready" if alive else "unreachable")
             return
+        view.answered = True
         view.num_running = report.num_running
         view.num_waiting = report.num_waiting
         view.kv_free_tokens = report.kv_free_tokens
