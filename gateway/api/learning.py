@@ -2,6 +2,7 @@
 per-tenant classifiers (`/admin/routing/classifiers/{tenant}`) and label export
 (`/admin/routing/labels/{tenant}`)."""
 
+import asyncio
 import base64
 import binascii
 import tempfile
@@ -12,24 +13,27 @@ import msgspec
 from litestar import Request, Response, delete, get, post, put
 from litestar.params import FromPath, FromQuery
 
-from cascade.artifact import ArtifactError, load_artifact
+from cascade.artifact import ArtifactError
 from cascade.labels import training_rows
 from gateway.api.admin_base import AdminController, AdminUser, GatewayDep, cascade_of
-from gateway.api.bodies import decode_struct, read_struct
+from gateway.api.bodies import decode_struct
 from gateway.gateway import Gateway
 from gateway.learning.classifiers import (
     ARTIFACT_FILES,
     PromotionRefused,
+    artifact_store,
+    check_artifact,
     check_promotion,
     holdout_figures,
     holdout_rows,
+    in_store,
     read_artifact_files,
 )
 from gateway.serving.handler import read_body
 from gateway.serving.intake import authenticate
 from workers.api.types import ApiError
 
-MAX_UPLOAD_BYTES = 64 * 1024 * 1024  # an artifact's files, base64 encoded
+MAX_UPLOAD_BYTES = 64 * 1024 * 1024  # the classifier body: an artifact's files, base64 encoded
 _MAX_JSON_DEPTH = 8
 
 
@@ -41,8 +45,9 @@ class Feedback(msgspec.Struct, forbid_unknown_fields=True):
 
 class ClassifierChange(msgspec.Struct, forbid_unknown_fields=True):
     """Exactly one of: `files` (name -> base64, an upload), `path` (an artifact directory
-    this gateway can read; its files are stored for every replica), `version` (one
-    stored before). `force` skips the held-out check (audited as such)."""
+    in this gateway's artifact store, `<data_dir>/classifiers/artifacts`, relative to it;
+    its files are stored for every replica), `version` (one stored before). `force` skips
+    the held-out check (audited as such)."""
 
     files: dict[str, str] | None = None
     path: str | None = None
@@ -57,10 +62,16 @@ def _learner(gw: Gateway):
     return router, gw.learner
 
 
-def _upload(change: ClassifierChange, scratch: Path) -> dict[str, bytes]:
+def _upload(change: ClassifierChange, store: Path, scratch: Path) -> dict[str, bytes]:
+    """The artifact's files, checked (`check_artifact`). Blocking: run in a thread."""
     if change.path is not None:
+        path = in_store(store, change.path)
+        if path is None:  # the same answer whether or not it exists
+            raise ApiError(
+                400, "path must name an artifact directory in the artifact store", param="path"
+            )
         try:
-            return read_artifact_files(Path(change.path))
+            return read_artifact_files(path)
         except ArtifactError as exc:
             raise ApiError(400, f"not a loadable artifact: {exc}", param="path") from None
     files: dict[str, bytes] = {}
@@ -74,10 +85,18 @@ def _upload(change: ClassifierChange, scratch: Path) -> dict[str, bytes]:
     for name, data in files.items():
         (scratch / name).write_bytes(data)
     try:
-        load_artifact(scratch)
+        check_artifact(scratch)
     except ArtifactError as exc:
         raise ApiError(400, f"not a loadable artifact: {exc}", param="files") from None
     return files
+
+
+def _stage(change: ClassifierChange, data_dir: Path) -> dict[str, bytes]:
+    """`_upload` with a scratch directory beside the registry's cache (blocking)."""
+    scratch_root = data_dir / "classifiers"
+    scratch_root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=scratch_root, prefix=".upload-") as scratch:
+        return _upload(change, artifact_store(data_dir), Path(scratch))
 
 
 def learning_routes(gw: Gateway) -> list:
@@ -119,12 +138,16 @@ class ClassifierController(AdminController):
     async def classifier_state(self, gw: GatewayDep, tenant: FromPath[str]) -> dict[str, Any]:
         return await _registry(gw).state(tenant)
 
-    @put("/classifiers/{tenant:str}", status_code=200)
+    @put("/classifiers/{tenant:str}", status_code=200, request_max_body_size=MAX_UPLOAD_BYTES)
     async def put_classifier(
         self, gw: GatewayDep, request: Request, tenant: FromPath[str], who: AdminUser = "admin"
     ) -> Response:
-        change = await read_struct(
-            request, ClassifierChange, max_bytes=MAX_UPLOAD_BYTES, max_depth=_MAX_JSON_DEPTH
+        raw = await read_body(request, gw.config.body_timeout_s)
+        if len(raw) > MAX_UPLOAD_BYTES:
+            raise ApiError(413, f"request body over {MAX_UPLOAD_BYTES} bytes")
+        # Up to 64 MiB of JSON and base64: decoded, written and checked off the event loop.
+        change = await asyncio.to_thread(
+            decode_struct, raw or b"{}", ClassifierChange, _MAX_JSON_DEPTH
         )
         if sum(x is not None for x in (change.files, change.path, change.version)) != 1:
             raise ApiError(400, "give exactly one of files, path, version")
@@ -134,10 +157,7 @@ class ClassifierController(AdminController):
         router, learner = _learner(gw)
         version = change.version
         if version is None:
-            scratch_root = Path(gw.config.data_dir) / "classifiers"
-            scratch_root.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=scratch_root, prefix=".upload-") as scratch:
-                files = _upload(change, Path(scratch))
+            files = await asyncio.to_thread(_stage, change, Path(gw.config.data_dir))
             version = await registry.store(tenant, files, who)
         state = await registry.state(tenant)
         if str(version) not in state["versions"]:
@@ -148,7 +168,9 @@ class ClassifierController(AdminController):
             raise ApiError(400, f"version {version} does not load: {exc}") from None
         current = router.scorer_for(tenant)[0]
         rows = await holdout_rows(learner.store, tenant)
-        figures = holdout_figures({"candidate": candidate[1], "current": current}, rows)
+        figures = await asyncio.to_thread(
+            holdout_figures, {"candidate": candidate[1], "current": current}, rows
+        )
         figures["candidate"]["version"] = version
         figures["current"]["version"] = state["current"]
         if not change.force:

@@ -11,17 +11,27 @@ Keys:
 - `sy:clf:audit`: list of `{who, when, tenant, action, old, new, figures}`, newest first.
 """
 
+import asyncio
 import hashlib
 import json
 import logging
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cascade.artifact import ARRAYS, MANIFEST, MODEL, REFERENCE_SCORES, ArtifactError, load_artifact
+from cascade.artifact import (
+    ARRAYS,
+    MANIFEST,
+    MODEL,
+    REFERENCE_SCORES,
+    ArtifactError,
+    load_artifact,
+    read_manifest,
+)
 from cascade.classifier import DifficultyScorer, load_reference_scores
 from cascade.features import request_view
 from cascade.labels import is_holdout, merge_labels
@@ -35,6 +45,8 @@ AUDIT_KEY = "sy:clf:audit"
 AUDIT_LEN = 1000
 ARTIFACT_FILES = (MANIFEST, MODEL, *(f"{n}.npy" for n in ARRAYS), REFERENCE_SCORES)
 MIN_HOLDOUT_LABELS = 30  # fewer held-out labels cannot tell two classifiers apart
+# An artifact's files together; what a 64 MiB upload of them in base64 can carry.
+MAX_ARTIFACT_BYTES = 48 * 1024 * 1024
 
 
 class PromotionRefused(Exception):
@@ -50,9 +62,50 @@ def _files_key(tenant: str, version: int) -> str:
     return f"sy:clf:files:{tenant}:{version}"
 
 
-def read_artifact_files(path: Path) -> dict[str, bytes]:
-    """The files of an artifact directory; raises ArtifactError when it does not load."""
-    load_artifact(path)
+def artifact_store(data_dir: str | Path) -> Path:
+    """Where `PUT /admin/routing/classifiers/{tenant}` with a `path` may read artifacts from."""
+    return Path(data_dir) / "classifiers" / "artifacts"
+
+
+def in_store(store: Path, name: str) -> Path | None:
+    """The artifact directory `name` names inside `store` (relative to it, or absolute),
+    links resolved; None when it lies outside (whether or not it exists)."""
+    root = store.resolve()
+    try:
+        path = (root / name).resolve()
+    except (OSError, RuntimeError, ValueError):  # a link loop, a NUL byte
+        return None
+    return path if path != root and path.is_relative_to(root) else None
+
+
+def check_artifact(path: Path, max_bytes: int = MAX_ARTIFACT_BYTES) -> DifficultyScorer:
+    """The scorer of the artifact at `path` (blocking). Raises ArtifactError unless its
+    files are regular files (not links) of at most `max_bytes` together, checked before
+    any is read, its manifest names only artifact files (no other path is ever opened or
+    hashed), and it loads."""
+    total = 0
+    for name in ARTIFACT_FILES:
+        try:
+            info = (path / name).lstat()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise ArtifactError(f"cannot read {name}: {exc.strerror}", path) from None
+        if not stat.S_ISREG(info.st_mode):
+            raise ArtifactError(f"{name} is not a regular file", path)
+        total += info.st_size
+    if total > max_bytes:
+        raise ArtifactError(f"its files hold {total} bytes, over the {max_bytes} allowed", path)
+    named = read_manifest(path).get("files") or {}
+    if not isinstance(named, dict) or not set(named) <= set(ARTIFACT_FILES):
+        raise ArtifactError(f"the manifest may name only {', '.join(ARTIFACT_FILES)}", path)
+    return load_artifact(path)
+
+
+def read_artifact_files(path: Path, max_bytes: int = MAX_ARTIFACT_BYTES) -> dict[str, bytes]:
+    """The files of an artifact directory (`check_artifact` first). Blocking: the gateway
+    calls it in a thread."""
+    check_artifact(path, max_bytes)
     return {name: (path / name).read_bytes() for name in ARTIFACT_FILES if (path / name).is_file()}
 
 
@@ -103,10 +156,18 @@ class ClassifierRegistry:
     async def _load(self, tenant: str, version: int) -> tuple[int, DifficultyScorer, list[float]]:
         digest = hashlib.blake2b(tenant.encode(), digest_size=8).hexdigest()
         path = self.cache_dir / f"{digest}-{version}"
-        if not (path / MANIFEST).is_file():
+        files = None
+        if not await asyncio.to_thread((path / MANIFEST).is_file):
             files = await self.redis.hgetall(_files_key(tenant, version))
             if not files:
                 raise ArtifactError("no files stored for this version", path)
+        # Writing, hashing and parsing grow with the artifact: off the event loop.
+        scorer, reference = await asyncio.to_thread(self._unpack, path, files)
+        return version, scorer, reference
+
+    def _unpack(self, path: Path, files: dict | None) -> tuple[DifficultyScorer, list[float]]:
+        """Write `files` (None: cached already) to `path` and load the scorer (blocking)."""
+        if files is not None:
             tmp = Path(tempfile.mkdtemp(dir=self.cache_dir.parent, prefix=".clf-"))
             for name, data in files.items():
                 name = name.decode() if isinstance(name, bytes) else name
@@ -114,12 +175,12 @@ class ClassifierRegistry:
                     (tmp / name).write_bytes(data)
             shutil.rmtree(path, ignore_errors=True)
             tmp.rename(path)
-        scorer = load_artifact(path)
+        scorer = check_artifact(path)
         try:
             reference = load_reference_scores(path)
         except ArtifactError:
             reference = []
-        return version, scorer, reference
+        return scorer, reference
 
     async def state(self, tenant: str, audit_limit: int = 20) -> dict[str, Any]:
         raw = await self.redis.hget(INDEX_KEY, tenant)
