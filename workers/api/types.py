@@ -64,8 +64,13 @@ class ResponseFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
     json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
-    """Fields shared by completions and chat completions (OpenAI plus worker extras)."""
+class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Fields shared by completions and chat completions (OpenAI plus worker extras).
+
+    A field not declared here is refused (400 naming it), never dropped: an OpenAI field
+    this server does not implement (`suffix`, `best_of`, `functions`, `audio`, ...) would
+    otherwise be answered as if it had been honoured. Subclasses inherit the rule.
+    """
 
     model: str
     max_tokens: int | None = None
@@ -88,6 +93,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     min_p: float = 0.0
     stop_token_ids: list[int] | None = None
     response_format: ResponseFormat | None = None
+    # Token id -> bias added to its logit before sampling, in [-100, 100] (OpenAI's JSON
+    # keys are strings of digits; msgspec decodes them as ints).
+    logit_bias: dict[int, float] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -239,18 +247,32 @@ def parse_error(body: bytes) -> ErrorInfo | None:
         return None
 
 
-_PATH = re.compile(r"at `\$\.?([A-Za-z_][\w]*)")
-_MISSING = re.compile(r"missing required field `(\w+)`")
+# msgspec names the field in "- at `$.field...`", a dict's key in "at `key` in `$.field`",
+# a top-level unknown or missing field in "Object contains unknown field `name`".
+_PATH = re.compile(r"(?:at|in) `\$\.([A-Za-z_]\w*)")
+_TOP_FIELD = re.compile(r"^Object (missing required|contains unknown) field `([^`]+)`$")
 
 
 def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
-    """Decode and type-check a JSON body; ApiError(400) naming the bad field."""
+    """Decode and type-check a JSON body; ApiError(400) naming the bad field. A field the
+    request type does not declare is refused (`unknown_field`), never dropped."""
     if not body:
         raise ApiError(400, "the request body is empty; expected a JSON object")
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
-        match = _PATH.search(str(exc)) or _MISSING.search(str(exc))
-        raise ApiError(400, str(exc), param=match.group(1) if match else None) from None
+        message = str(exc)
+        path = _PATH.search(message)
+        top = None if path else _TOP_FIELD.match(message)
+        if top is not None and top.group(1) == "contains unknown":
+            name = top.group(2)
+            raise ApiError(
+                400,
+                f"unknown or unsupported field `{name}`: this server does not implement it",
+                param=name,
+                code="unknown_field",
+            ) from None
+        param = path.group(1) if path else top.group(2) if top else None
+        raise ApiError(400, message, param=param) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None

@@ -33,6 +33,7 @@ class RequestLimits:
     max_stop_string_chars: int = 256  # each stop string is searched at every token
     max_stop_token_ids: int = 256
     max_logprobs: int = 20  # `logprobs` (completions) and `top_logprobs` (chat)
+    max_logit_bias: int = 300  # entries of `logit_bias` (as OpenAI)
     max_messages: int = 2048
     max_content_parts: int = 256  # per chat message
     max_prompt_token_ids: int = 262144
@@ -169,6 +170,7 @@ def _check_sampling(req: Any, limits: RequestLimits, vocab: int | None, max_toke
     if max_tokens is not None and req.min_tokens > max_tokens:
         _bad("min_tokens", f"min_tokens ({req.min_tokens}) is above max_tokens ({max_tokens})")
     _check_stops(req, limits, vocab)
+    _check_logit_bias(req.logit_bias, limits, vocab)
     if req.cache_salt is not None and len(req.cache_salt) > limits.max_cache_salt_chars:
         _bad("cache_salt", f"cache_salt is longer than {limits.max_cache_salt_chars} characters")
 
@@ -186,6 +188,17 @@ def _check_stops(req: Any, limits: RequestLimits, vocab: int | None) -> None:
     if len(ids) > limits.max_stop_token_ids:
         _bad("stop_token_ids", f"at most {limits.max_stop_token_ids} stop token ids are allowed")
     _check_token_ids(ids, vocab, "stop_token_ids")
+
+
+def _check_logit_bias(bias: dict[int, float] | None, limits: RequestLimits, vocab: int | None):
+    if not bias:
+        return
+    if len(bias) > limits.max_logit_bias:
+        _bad("logit_bias", f"logit_bias has {len(bias)} entries; at most {limits.max_logit_bias}")
+    _check_token_ids(list(bias), vocab, "logit_bias")
+    for token, value in bias.items():
+        if not _in_range(value, -100.0, 100.0):
+            _bad("logit_bias", f"logit_bias values must be between -100 and 100 (token {token})")
 
 
 def _check_token_ids(ids: list[int], vocab: int | None, param: str) -> None:

@@ -129,6 +129,11 @@ class LLMEngine:
             raise InvalidRequestError("the prompt is empty", "prompt")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ContextLengthError(len(ids), params.max_tokens, self.max_model_len)
+        vocab = self.runner.model_config.vocab_size
+        if any(t >= vocab for t in params.logit_bias):
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids below {vocab}", "logit_bias"
+            )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", "stop")
         guide = None

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from workers.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # |bias| at most this (OpenAI's range)
 
 
 @dataclass(slots=True)
@@ -14,7 +15,9 @@ class SamplingParams:
     `temperature == 0` means greedy. `top_k == 0` and `top_p == 1` and `min_p == 0` turn
     those filters off. `seed` makes a sampled request reproducible on its own.
     `logprobs` is None for none, or the number of top alternatives (0 = only the
-    chosen token's log-probability).
+    chosen token's log-probability). `logit_bias` maps token ids to what is added to
+    their logits before any sampling (greedy included), in [-100, 100]; log-probabilities
+    stay those of the model's own distribution.
     """
 
     max_tokens: int = 16
@@ -29,6 +32,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -61,3 +65,11 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "logprobs"
             )
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or token < 0:
+                raise InvalidRequestError("logit_bias keys must be token ids >= 0", "logit_bias")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # False for NaN
+                raise InvalidRequestError(
+                    f"logit_bias values must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}",
+                    "logit_bias",
+                )

@@ -52,6 +52,7 @@ def sampling_params(
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
         logprobs=logprobs,
+        logit_bias=dict(req.logit_bias or {}),
     )
 
 
