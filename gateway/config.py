@@ -86,3 +86,8 @@ class GatewayConfig:
     fail_tokens: str = "open"
     fail_requests: str = "open"
     fail_concurrency: str = "open"
+    # A pool member that has not answered a poll since it joined counts as starting (its
+    # server not listening yet) for this long; after that, silent is lost. While no member
+    # of a pool is ready, loading or starting, its requests are refused at once (503,
+    # Retry-After) instead of waiting out their deadline in the queue.
+    replica_start_grace_s: float = 30.0

@@ -66,6 +66,10 @@ class Gateway:
     _background: set[asyncio.Task[Any]] = field(default_factory=set)
     flights: set[Flight] = field(default_factory=set)  # requests inside their flight's block
 
+    def __post_init__(self) -> None:
+        for pool in self.pools.values():
+            pool.start_grace_s = self.config.replica_start_grace_s
+
     def keys_changed(self) -> None:
         """A key or tenant changed through this process's admin API: its next request
         reads Redis (other processes see the change within `key_cache_ttl_s`)."""
