@@ -33,6 +33,10 @@ class RequestLimits:
     max_stop_string_chars: int = 256  # each stop string is searched at every token
     max_stop_token_ids: int = 256
     max_logprobs: int = 20  # `logprobs` (completions) and `top_logprobs` (chat)
+    # n x max_tokens x (1 + top alternatives): log-probability entries one answer may hold
+    # (each ~80 bytes of JSON, built as its tokens arrive). 2**17: n=16 with 20 alternatives
+    # up to 390 tokens, or one sample with 20 alternatives up to 6,241 tokens.
+    max_logprob_entries: int = 131072
     max_logit_bias: int = 300  # entries of `logit_bias` (as OpenAI)
     max_messages: int = 2048
     max_content_parts: int = 256  # per chat message
@@ -110,11 +114,14 @@ def check_request(
     *,
     vocab_size: int | None,
     max_model_len: int | None,
+    default_max_tokens: int | None = None,
 ) -> None:
     """400 naming the first parameter out of bounds; None when the request is servable.
 
     `vocab_size`: token ids must be below it. `max_model_len`: prompt plus output tokens
     must fit in it (text prompts are checked by the engine once tokenized).
+    `default_max_tokens`: the output budget of a request that sets none (None: unknown,
+    and the bound on log-probability entries waits for an explicit one).
     """
     limits = limits or RequestLimits()
     chat = getattr(req, "messages", None) is not None
@@ -129,6 +136,7 @@ def check_request(
         _check_chat(req, limits)  # type: ignore[arg-type]
     else:
         _check_completion(req, limits, vocab_size)  # type: ignore[arg-type]
+    _check_logprob_entries(req, limits, max_tokens or default_max_tokens, max_param, chat)
     if max_model_len is not None:
         _check_context(req, max_tokens, max_param, max_model_len)
 
@@ -199,6 +207,32 @@ def _check_logit_bias(bias: dict[int, float] | None, limits: RequestLimits, voca
     for token, value in bias.items():
         if not _in_range(value, -100.0, 100.0):
             _bad("logit_bias", f"logit_bias values must be between -100 and 100 (token {token})")
+
+
+def _check_logprob_entries(
+    req: Any, limits: RequestLimits, max_tokens: int | None, max_param: str, chat: bool
+) -> None:
+    """400 when an answer could hold more log-probability entries than the bound: each
+    generated token of each sample carries its own and its top alternatives'."""
+    if chat:
+        top_param, top = "top_logprobs", req.top_logprobs or 0
+        if not req.logprobs:
+            return
+    else:
+        top_param, top = "logprobs", req.logprobs
+        if top is None:
+            return
+    if max_tokens is None:
+        return
+    entries = req.n * max_tokens * (1 + top)
+    if entries > limits.max_logprob_entries:
+        _bad(
+            top_param,
+            f"n ({req.n}) x {max_param} ({max_tokens}) x (1 + {top_param} ({top})) = "
+            f"{entries} log-probability entries, above this server's limit of "
+            f"{limits.max_logprob_entries}: lower n, {max_param} or {top_param}",
+            code="logprobs_too_large",
+        )
 
 
 def _check_token_ids(ids: list[int], vocab: int | None, param: str) -> None:

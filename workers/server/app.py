@@ -198,7 +198,8 @@ def _decode(service: WorkerService, raw: bytes, kind: type) -> Any:
     check_json_depth(raw, limits.max_json_depth)
     body = decode_request(raw, kind)
     vocab, max_len = service.vocab_size, service.max_model_len
-    check_request(body, limits, vocab_size=vocab, max_model_len=max_len)
+    default = service.config.default_max_tokens
+    check_request(body, limits, vocab_size=vocab, max_model_len=max_len, default_max_tokens=default)
     return body
 
 
@@ -239,7 +240,8 @@ async def _submit(
         for i in range(1, body.n)
     ]
     engine = service.admit(engine_req.num_prompt_tokens)
-    builder = ResponseBuilder(engine_req.request_id, body.model, chat, e.tokenizer, body.n, tools)
+    texts = service.token_texts()
+    builder = ResponseBuilder(engine_req.request_id, body.model, chat, texts, body.n, tools)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     headers = {"x-request-id": engine_req.request_id}
     if body.stream:

@@ -7,11 +7,14 @@ the app's one exception handler turns into the same OpenAI-shaped 400.
 import time
 from typing import Any
 
+import msgspec
+
 from workers.api.types import ApiError, ChatCompletionRequest, CompletionRequest
-from workers.engine.outputs import RequestOutput, TokenLogprobs
+from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.structured import GrammarSpec
 from workers.engine.tokenizer import CheckpointTokenizer
+from workers.server.logprobs import ChoiceLogprobs, TokenTexts
 from workers.server.tools import ToolPlan, ToolStream, template_messages, tool_grammar
 
 _UNSUPPORTED = {"presence_penalty": 0.0, "frequency_penalty": 0.0}
@@ -129,61 +132,23 @@ class ResponseBuilder:
         request_id: str,
         model: str,
         chat: bool,
-        tokenizer: CheckpointTokenizer | None,
+        texts: TokenTexts,
         n: int = 1,
         tools: ToolPlan | None = None,
     ):
         self.id = request_id
         self.model = model
         self.chat = chat
-        self.tok = tokenizer
         self.created = int(time.time())
-        self._text_offset = [0] * n
+        # Each choice's logprobs, built as its tokens arrive (stream deltas or whole).
+        self.logprobs = [ChoiceLogprobs(texts, chat) for _ in range(n)]
         self.tools = [ToolStream(tools) for _ in range(n)] if tools is not None else None
-
-    def _token_text(self, token_id: int) -> str:
-        return self.tok.decode([token_id], skip_special_tokens=False) if self.tok else str(token_id)
-
-    def logprobs(
-        self, entries: list[TokenLogprobs], token_ids: list[int], index: int = 0
-    ) -> dict[str, Any]:
-        if self.chat:
-            content = []
-            for lp, tid in zip(entries, token_ids, strict=True):
-                text = self._token_text(tid)
-                content.append(
-                    {
-                        "token": text,
-                        "logprob": lp.logprob,
-                        "bytes": list(text.encode()),
-                        "top_logprobs": [
-                            {
-                                "token": (t := self._token_text(i)),
-                                "logprob": v,
-                                "bytes": list(t.encode()),
-                            }
-                            for i, v in lp.top
-                        ],
-                    }
-                )
-            return {"content": content, "refusal": None}
-        tokens = [self._token_text(t) for t in token_ids]
-        offsets = []
-        for t in tokens:
-            offsets.append(self._text_offset[index])
-            self._text_offset[index] += len(t)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in entries],
-            "top_logprobs": [{self._token_text(i): v for i, v in lp.top} for lp in entries],
-            "text_offset": offsets,
-        }
 
     def chunk(
         self, text: str, out: RequestOutput | None, first: bool, index: int = 0
     ) -> dict[str, Any]:
         lps = (
-            self.logprobs(out.logprobs, out.new_token_ids, index)
+            self.logprobs[index].delta(out.logprobs, out.new_token_ids)
             if out is not None and out.logprobs
             else None
         )
@@ -212,9 +177,10 @@ class ResponseBuilder:
         return {**self._envelope(obj, []), "usage": usage(outs)}
 
     def choice(
-        self, index: int, text: str, last: RequestOutput, logprobs: dict[str, Any] | None
+        self, index: int, text: str, last: RequestOutput, logprobs: msgspec.Raw | None
     ) -> dict[str, Any]:
-        """One choice of a whole (non-streaming) response."""
+        """One choice of a whole (non-streaming) response; `logprobs` as
+        `self.logprobs[index].value()` gives it, None when none were asked for."""
         if not self.chat:
             choice = {
                 "index": index,

@@ -19,6 +19,7 @@ from workers.engine.async_engine import AsyncEngine, EngineDeadError
 from workers.engine.outputs import RequestOutput
 from workers.engine.request import Request as EngineRequest
 from workers.errors import RequestFailedError
+from workers.server.logprobs import ChoiceLogprobs
 from workers.server.openai_format import ResponseBuilder
 from workers.server.service import WorkerService
 
@@ -83,21 +84,20 @@ class _TokenClock:
 
 
 async def _run_one(
-    engine: AsyncEngine, req: EngineRequest, clock: "_TokenClock"
-) -> tuple[str, list[int], list, RequestOutput]:
+    engine: AsyncEngine, req: EngineRequest, clock: "_TokenClock", lps: ChoiceLogprobs | None
+) -> tuple[str, RequestOutput]:
+    """One sample to its end: its text and last output. Its logprobs (when asked for) go
+    into `lps` step by step as they arrive, so the answer's end costs no walk over them."""
     texts: list[str] = []
-    ids: list[int] = []
-    lps: list = []
     last: RequestOutput | None = None
     async for out in engine.generate(req):
         last = out
         texts.append(out.new_text)
-        ids += out.new_token_ids
         clock.tokens(len(out.new_token_ids))
-        if out.logprobs:
-            lps += out.logprobs
+        if lps is not None and out.logprobs:
+            lps.add(out.logprobs, out.new_token_ids)
     assert last is not None
-    return "".join(texts), ids, lps, last
+    return "".join(texts), last
 
 
 async def collect(
@@ -109,7 +109,14 @@ async def collect(
     """Run a request's samples (n of them, the first one's prompt shared) to the end; the
     whole response body."""
     clock = _TokenClock(service)
-    tasks = [asyncio.ensure_future(_run_one(engine, r, clock)) for r in reqs]
+    lps = [
+        lp if r.params.logprobs is not None else None
+        for r, lp in zip(reqs, builder.logprobs, strict=True)
+    ]
+    tasks = [
+        asyncio.ensure_future(_run_one(engine, r, clock, lp))
+        for r, lp in zip(reqs, lps, strict=True)
+    ]
     try:
         results = await asyncio.gather(*tasks)
     except (RequestFailedError, EngineDeadError) as exc:
@@ -118,10 +125,9 @@ async def collect(
         for t in tasks:
             t.cancel()
     choices, lasts = [], []
-    for index, (req, (text, ids, lps, last)) in enumerate(zip(reqs, results, strict=True)):
+    for index, (req, (text, last), lp) in enumerate(zip(reqs, results, lps, strict=True)):
         _observe(service, req, last)
-        logprobs = builder.logprobs(lps, ids, index) if req.params.logprobs is not None else None
-        choices.append(builder.choice(index, text, last, logprobs))
+        choices.append(builder.choice(index, text, last, lp.value() if lp is not None else None))
         lasts.append(last)
     return msgspec.json.encode(builder.full(choices, lasts))
 

@@ -13,6 +13,7 @@ from workers.api.types import ApiError, LoadReport, WorkerState
 from workers.engine.async_engine import AsyncEngine
 from workers.server.admission import backlog
 from workers.server.config import WorkerConfig
+from workers.server.logprobs import TokenTexts
 from workers.server.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class WorkerService:
         # Set by the process: exit non-zero (called from the engine thread).
         self.on_engine_failure: Callable[[], None] | None = None
         self._max_chars_per_token: int | None = None
+        self._token_texts: TokenTexts | None = None
         if engine is not None:
             engine.add_death_callback(self._engine_died)
 
@@ -160,6 +162,13 @@ class WorkerService:
             max_model_len=engine.engine.max_model_len,
             vocab_size=self.vocab_size,
         )
+
+    def token_texts(self) -> TokenTexts:
+        """The engine's token texts as responses show them (built once, filled as used)."""
+        if self._token_texts is None:
+            tok = self.engine.engine.tokenizer if self.engine else None
+            self._token_texts = TokenTexts(tok)
+        return self._token_texts
 
     def max_chars_per_token(self) -> int:
         """Longest token in characters: len(text) / this bounds the token count from below."""
