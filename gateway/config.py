@@ -91,3 +91,11 @@ class GatewayConfig:
     # of a pool is ready, loading or starting, its requests are refused at once (503,
     # Retry-After) instead of waiting out their deadline in the queue.
     replica_start_grace_s: float = 30.0
+    # Prompt counting (gateway/serving/prompt_tokens.py): a request body over
+    # count_inline_bytes is counted on one of count_threads threads, at most
+    # count_per_tenant of one tenant's at a time; up to count_lane_max more of a tenant's
+    # wait their turn (round-robin across tenants), the rest are refused (429 gateway_busy).
+    count_inline_bytes: int = 16384
+    count_threads: int = 2
+    count_per_tenant: int = 1
+    count_lane_max: int = 64

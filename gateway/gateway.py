@@ -18,6 +18,7 @@ from gateway.config import GatewayConfig
 from gateway.learning.learner import Learner
 from gateway.learning.router import Router
 from gateway.metrics import GatewayMetrics
+from gateway.serving.counting import CountingPool
 from gateway.serving.flight import Flight
 from gateway.serving.prompt_tokens import PromptCounter
 from gateway.serving.record import Outcome
@@ -52,6 +53,8 @@ class Gateway:
     usage: "UsageReader | None" = None  # usage history (None: only the current windows)
     learner: Learner | None = None  # labels from traffic (None: not collected)
     gate: Gate | None = None  # the door's; fed each request's latency to its reservation
+    # Threads for counting big prompts, fair by tenant; None: built from the config.
+    counting: CountingPool | None = None
     # Per pool, what a fleet supervisor in this process knows (replicas, the autoscaler's
     # last decision), merged into GET /admin/fleet; None: the pools are static URL lists.
     fleet_status: "Callable[[], dict[str, Any]] | None" = None
@@ -67,8 +70,13 @@ class Gateway:
     flights: set[Flight] = field(default_factory=set)  # requests inside their flight's block
 
     def __post_init__(self) -> None:
+        cfg = self.config
+        if self.counting is None:
+            self.counting = CountingPool(
+                cfg.count_threads, cfg.count_per_tenant, cfg.count_lane_max, self.rng
+            )
         for pool in self.pools.values():
-            pool.start_grace_s = self.config.replica_start_grace_s
+            pool.start_grace_s = cfg.replica_start_grace_s
 
     def keys_changed(self) -> None:
         """A key or tenant changed through this process's admin API: its next request

@@ -28,7 +28,6 @@ from gateway.serving.intake import (
     prepare,
     ratelimit_headers,
 )
-from gateway.serving.plan import check_context
 from gateway.serving.record import RequestRecord
 from gateway.serving.streaming import stream_response
 from quota.errors import QuotaExceeded
@@ -91,14 +90,22 @@ async def _admit(gw: Gateway, request: Request, chat: bool, record: RequestRecor
     arrived = record.arrived_at
     key_id, tenant, own_limits = await authenticate_caller(gw, request)
     record.tenant, record.key_id = tenant.tenant_id, key_id
-    req = decode(await read_body(request, gw.config.body_timeout_s), chat, gw.config)
+    raw = await read_body(request, gw.config.body_timeout_s)
+    req = decode(raw, chat, gw.config)
     if gw.router is not None:
         await gw.router.refresh()
     timeout_header = request.headers.get("x-request-timeout")
-    plan = prepare(gw, tenant, key_id, req, chat, timeout_header)
+    plan = await prepare(
+        gw,
+        tenant,
+        key_id,
+        req,
+        chat,
+        timeout_header,
+        body_bytes=len(raw),
+        key_max_context=own_limits.max_context if own_limits is not None else None,
+    )
     record.pool, record.route = plan.pool, plan.route
-    if own_limits is not None:
-        check_context(plan.prompt_tokens, plan.max_tokens, own_limits.max_context, None)
     if gw.learner is not None:
         gw.learner.on_plan(gw, plan, req)
     t_reserve = time.perf_counter()

@@ -1,7 +1,12 @@
 """From an HTTP request to a `Plan`: authenticate the key, decode the body once, then
-route, count and bound it with the pure functions of `gateway.serving.plan`."""
+route, count and bound it with the pure functions of `gateway.serving.plan`.
+
+Counting grows with the prompt, so it is bounded by the context the request may use
+(`PromptTooLong`, before tokenizing) and, for a body over `count_inline_bytes`, runs on the
+gateway's `CountingPool` (threads, fair by tenant), never on the event loop."""
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -23,8 +28,10 @@ from gateway.serving.plan import (
     client_logprobs,
     is_structured,
     max_tokens_of,
+    prompt_room,
     timeout_of,
 )
+from gateway.serving.prompt_tokens import PromptTooLong
 from quota.limiter import RateLimitState
 from quota.models import Tenant, TenantLimits
 from workers.api.types import ApiError, decode_request
@@ -160,16 +167,21 @@ def decode(raw: bytes, chat: bool, cfg: GatewayConfig) -> PublicRequest:
     return req
 
 
-def prepare(
+async def prepare(
     gw: Gateway,
     tenant: Tenant,
     key_id: str | None,
     req: PublicRequest,
     chat: bool,
     timeout_header: str | None,
+    *,
+    body_bytes: int = 0,
+    key_max_context: int | None = None,
 ) -> Plan:
     """Route, count, bound and price a decoded request (pure decisions, fed by the
-    tokenizers, the router and the pools' reported limits)."""
+    tokenizers, the router and the pools' reported limits). `body_bytes`: the size of the
+    body it was decoded from (a big one is counted off the loop); `key_max_context`: the
+    key's own context limit, beside its tenant's."""
     cfg = gw.config
     timeout_s = timeout_of(timeout_header, cfg.request_timeout_s)
     max_tokens = max_tokens_of(req, cfg.default_max_tokens, cfg.max_tokens_cap)
@@ -203,11 +215,15 @@ def prepare(
         )
     vocab_size, model_len = gw.pools[pool].model_limits()
     check_request(req, cfg.request_limits, vocab_size=vocab_size, max_model_len=model_len)
-    if isinstance(req, GatewayChatRequest):
-        prompt_tokens = gw.counter.chat(pool, req.messages, req.tools, req.tool_choice)
-    else:
-        prompt_tokens = gw.counter.completion(pool, req.prompt)
-    check_context(prompt_tokens, max_tokens, tenant.limits.max_context, model_len)
+    limits = (tenant.limits.max_context, key_max_context)
+    own_limit = min((limit for limit in limits if limit is not None), default=None)
+    room = prompt_room(max_tokens, own_limit, model_len)
+    try:
+        prompt_tokens = await count_prompt(gw, tenant.tenant_id, pool, req, room, body_bytes)
+        counted = True
+    except PromptTooLong as exc:  # a lower bound, over the room: check_context refuses it
+        prompt_tokens, counted = exc.min_tokens, False
+    check_context(prompt_tokens, max_tokens, own_limit, model_len, at_least=not counted)
     escalation = None
     if decision is not None and decision.route == "classifier" and pool == gw.router.small_pool:
         chosen = escalation_for(gw.router.settings, tenant.tenant_id)
@@ -232,6 +248,31 @@ def prepare(
         n=req.n,
         structured=is_structured(req),
     )
+
+
+async def count_prompt(
+    gw: Gateway,
+    tenant_id: str,
+    pool: str,
+    req: PublicRequest,
+    limit_tokens: int | None,
+    body_bytes: int,
+) -> int:
+    """The request's prompt tokens as `pool`'s worker will count them (PromptTooLong when
+    its bytes prove it over `limit_tokens`). A body up to `count_inline_bytes` is counted
+    here, at once; a bigger one on the counting pool, where it waits behind its own
+    tenant's counts only."""
+    counter = gw.counter
+    work: functools.partial[int]
+    if isinstance(req, GatewayChatRequest):
+        work = functools.partial(
+            counter.chat, pool, req.messages, req.tools, req.tool_choice, limit_tokens
+        )
+    else:
+        work = functools.partial(counter.completion, pool, req.prompt, limit_tokens)
+    if gw.counting is None or body_bytes <= gw.config.count_inline_bytes:
+        return work()
+    return await gw.counting.run(tenant_id, work)
 
 
 def _decide(gw: Gateway, tenant: Tenant, key_id: str | None, req: PublicRequest, max_tokens: int):

@@ -86,19 +86,32 @@ def max_tokens_of(req: PublicRequest, default: int, cap: int) -> int:
 
 
 def check_context(
-    prompt_tokens: int, max_tokens: int, tenant_limit: int | None, model_limit: int | None
+    prompt_tokens: int,
+    max_tokens: int,
+    tenant_limit: int | None,
+    model_limit: int | None,
+    at_least: bool = False,
 ) -> None:
-    """400 when prompt + max_tokens passes the key's context limit or the model's."""
+    """400 when prompt + max_tokens passes the key's context limit or the model's.
+    `at_least`: `prompt_tokens` is a lower bound (the prompt was refused uncounted)."""
     total = prompt_tokens + max_tokens
+    counted = f"at least {prompt_tokens}" if at_least else str(prompt_tokens)
     for limit, whose in ((tenant_limit, "this key's"), (model_limit, "the model's")):
         if limit is not None and total > limit:
             raise ApiError(
                 400,
-                f"prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds "
+                f"prompt ({counted} tokens) plus max_tokens ({max_tokens}) exceeds "
                 f"{whose} context limit of {limit} tokens",
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+
+
+def prompt_room(max_tokens: int, *limits: int | None) -> int | None:
+    """The most prompt tokens `check_context` can accept beside `max_tokens` under every
+    given context limit (None: no limit); None when no limit is given."""
+    known = [limit for limit in limits if limit is not None]
+    return min(known) - max_tokens if known else None
 
 
 def timeout_of(header: str | None, default_s: float) -> float:

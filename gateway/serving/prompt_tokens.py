@@ -22,9 +22,19 @@ _CHAT_TOKENS_PER_MESSAGE = 4  # role markers around each message in common chat 
 _BYTES_PER_TOKEN_ESTIMATE = 3  # fallback when a pool has no local tokenizer
 
 
+class PromptTooLong(Exception):
+    """The prompt's bytes alone prove it longer than the limit: it has at least
+    `min_tokens` tokens (it was not tokenized)."""
+
+    def __init__(self, min_tokens: int) -> None:
+        super().__init__(f"the prompt has at least {min_tokens} tokens")
+        self.min_tokens = min_tokens
+
+
 class PoolTokenizer:
     """A checkpoint's tokenizer and chat template, loaded from its directory (or a bare
-    tokenizer.json, which has no template)."""
+    tokenizer.json, which has no template). `max_token_bytes`: the most bytes of a text one
+    token can stand for (None: not known, the pipeline may drop or merge text)."""
 
     def __init__(self, path: str) -> None:
         p = Path(path)
@@ -39,9 +49,18 @@ class PoolTokenizer:
         from tokenizers import Tokenizer
 
         self.fast = Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
+        self.max_token_bytes = max_token_bytes(json.loads(self.fast.to_str()))
 
-    def count(self, text: str) -> int:
-        return len(self.fast.encode(text, add_special_tokens=False).ids)
+    def count(self, text: str, limit_tokens: int | None = None) -> int:
+        """The text's tokens. `limit_tokens`: raise PromptTooLong, before tokenizing, when
+        the text's bytes prove it has more."""
+        if limit_tokens is not None and self.max_token_bytes is not None:
+            min_tokens = -(-len(text.encode()) // self.max_token_bytes)
+            if min_tokens > limit_tokens:
+                raise PromptTooLong(min_tokens)
+        # encode_batch releases the GIL while it works (encode holds it): a count on a
+        # thread leaves the event loop running.
+        return len(self.fast.encode_batch([text], add_special_tokens=False)[0].ids)
 
     def render_chat(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
@@ -62,6 +81,79 @@ class PoolTokenizer:
 
 def load_tokenizer(path: str) -> PoolTokenizer:
     return PoolTokenizer(path)
+
+
+# Normalizers by the most they can shrink a text's UTF-8 bytes (NFKC folds a 3-byte
+# fullwidth quote to 1 byte, composes three 3-byte jamo into one syllable; a code point is
+# at most 4 bytes). Any other (Strip, StripAccents, BertNormalizer, Precompiled, a regex
+# Replace) can drop text without bound.
+_NORMALIZER_SHRINK = {"NFC": 4, "NFD": 4, "NFKC": 4, "NFKD": 4, "Lowercase": 4, "Prepend": 1}
+# Pre-tokenizers that keep every byte (a Split or Punctuation only when it keeps its matches).
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation"})
+
+
+def max_token_bytes(spec: dict[str, Any]) -> int | None:
+    """The most bytes of the input text one token can stand for, from a tokenizer.json
+    `spec`; None where the pipeline may leave bytes uncovered (an unknown token standing for
+    a whole word, dropped whitespace, a normalizer that deletes), so no bound holds."""
+    shrink = _shrink(spec.get("normalizer"))
+    pre = _pre_tokenizers(spec.get("pre_tokenizer"))
+    if shrink is None or pre is None:
+        return None
+    model = spec.get("model") or {}
+    vocab = model.get("vocab")
+    if model.get("type") != "BPE" or not isinstance(vocab, dict) or not vocab:
+        return None
+    if "ByteLevel" in pre:
+        from tokenizers.pre_tokenizers import ByteLevel
+
+        if not set(ByteLevel.alphabet()) <= vocab.keys():
+            return None  # a byte with no token of its own would be dropped
+        longest = max(len(token) for token in vocab)  # one character per byte
+    elif model.get("byte_fallback"):
+        longest = max(len(token.encode()) for token in vocab)
+    else:
+        return None  # an unknown character becomes an unknown token, or nothing
+    added = [len(a.get("content", "").encode()) for a in spec.get("added_tokens") or []]
+    return max([longest * shrink, *added])
+
+
+def _shrink(normalizer: dict[str, Any] | None) -> int | None:
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        total = 1
+        for part in normalizer.get("normalizers") or []:
+            factor = _shrink(part)
+            if factor is None:
+                return None
+            total *= factor
+        return total
+    if kind == "Replace":
+        pattern = (normalizer.get("pattern") or {}).get("String")
+        content = normalizer.get("content") or ""
+        if not isinstance(pattern, str) or not pattern or not content:
+            return None
+        return -(-len(pattern.encode()) // len(content.encode()))
+    return _NORMALIZER_SHRINK.get(kind or "")
+
+
+def _pre_tokenizers(pre: dict[str, Any] | None) -> set[str] | None:
+    if pre is None:
+        return set()
+    kind = pre.get("type")
+    if kind == "Sequence":
+        kinds: set[str] = set()
+        for part in pre.get("pretokenizers") or []:
+            found = _pre_tokenizers(part)
+            if found is None:
+                return None
+            kinds |= found
+        return kinds
+    if kind not in _KEEPING_PRE_TOKENIZERS or pre.get("behavior") == "Removed":
+        return None
+    return {kind}
 
 
 def _template_message(m: ChatMessage) -> dict[str, Any]:
@@ -115,22 +207,28 @@ def _text_of(content: Any) -> str:
 
 class PromptCounter:
     """Prompt tokens per pool: exact for token ids, tokenizer-exact for text (the chat
-    template rendered) when the pool has a tokenizer, else a byte-based estimate."""
+    template rendered) when the pool has a tokenizer, else a byte-based estimate.
+
+    `limit_tokens`: the most prompt tokens the request may have; a text whose bytes prove
+    it longer raises PromptTooLong before it is tokenized (where the pool's tokenizer has a
+    `max_token_bytes`). A count may be over the limit either way: the caller checks it."""
 
     def __init__(self, tokenizers: dict[str, PoolTokenizer]) -> None:
         self._tok = tokenizers
 
-    def text(self, pool: str, text: str) -> int:
+    def text(self, pool: str, text: str, limit_tokens: int | None = None) -> int:
         tok = self._tok.get(pool)
         if tok is None:
             return -(-len(text.encode()) // _BYTES_PER_TOKEN_ESTIMATE)
-        return tok.count(text)
+        return tok.count(text, limit_tokens)
 
-    def completion(self, pool: str, prompt: str | list[Any]) -> int:
+    def completion(
+        self, pool: str, prompt: str | list[Any], limit_tokens: int | None = None
+    ) -> int:
         if isinstance(prompt, str):
-            return self.text(pool, prompt)
+            return self.text(pool, prompt, limit_tokens)
         if len(prompt) == 1 and isinstance(prompt[0], str):
-            return self.text(pool, prompt[0])
+            return self.text(pool, prompt[0], limit_tokens)
         return len(prompt)
 
     def chat(
@@ -139,6 +237,7 @@ class PromptCounter:
         messages: list[ChatMessage],
         tools: list[Tool] | None = None,
         tool_choice: ToolChoice | None = None,
+        limit_tokens: int | None = None,
     ) -> int:
         """The chat's prompt tokens, the tools' definitions rendered by the template."""
         tool_dicts = _tool_dicts(tools, tool_choice)
@@ -146,10 +245,11 @@ class PromptCounter:
         if tok is not None:
             rendered = tok.render_chat([_template_message(m) for m in messages], tool_dicts)
             if rendered is not None:
-                return tok.count(rendered)
-        total = 3 + (self.text(pool, json.dumps(tool_dicts)) if tool_dicts else 0)
+                return tok.count(rendered, limit_tokens)
+        # Each part is at most the whole: a part proven over the limit proves the whole.
+        total = 3 + (self.text(pool, json.dumps(tool_dicts), limit_tokens) if tool_dicts else 0)
         for m in messages:
             calls = json.dumps([msgspec.to_builtins(c) for c in m.tool_calls or []])
             fields = (m.role, m.name or "", _text_of(m.content), calls, m.tool_call_id or "")
-            total += _CHAT_TOKENS_PER_MESSAGE + self.text(pool, "".join(fields))
+            total += _CHAT_TOKENS_PER_MESSAGE + self.text(pool, "".join(fields), limit_tokens)
         return total
