@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 import msgspec
 from litestar import Request
 
+from gateway.api.admin_base import provide_gateway
+from gateway.serving.handler import read_body
 from workers.api.types import ApiError
 from workers.api.validation import check_json_depth
 
@@ -57,10 +59,14 @@ async def read_struct(
     kind: type[T],
     max_bytes: int = ADMIN_MAX_BODY_BYTES,
     max_depth: int = ADMIN_MAX_JSON_DEPTH,
+    timeout_s: float | None = None,
 ) -> T:
     """The request's body as a `kind` (decode_struct); an empty body is `{}`, one over
-    `max_bytes` a 413."""
-    raw = await request.body()
+    `max_bytes` a 413, one not in within `timeout_s` a 408 (None: the gateway's
+    `body_timeout_s`, so a client trickling a body holds nothing for long)."""
+    if timeout_s is None:
+        timeout_s = provide_gateway(request.app.state).config.body_timeout_s
+    raw = await read_body(request, timeout_s)
     if len(raw) > max_bytes:
         raise ApiError(413, f"request body over {max_bytes} bytes")
     return decode_struct(raw or b"{}", kind, max_depth)

@@ -36,23 +36,38 @@ CSV_COLUMNS = (
 )
 
 
+# The times a query may name: from the epoch to the last second of year 9999 (UTC).
+MIN_TIME_S, MAX_TIME_S = 0.0, 253_402_300_799.0
+
+
 def parse_time(raw: str | None, param: str) -> float | None:
-    """Unix seconds or ISO 8601 (naive = UTC); 400 otherwise."""
+    """Unix seconds or ISO 8601 (naive = UTC), between the epoch and year 9999; 400
+    otherwise (`nan`, `inf` and `1e300` included)."""
     if raw is None or raw == "":
         return None
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
-        pass
+        value = _iso_time(raw, param)
+    if not MIN_TIME_S <= value <= MAX_TIME_S:  # false for nan
+        raise ApiError(
+            400,
+            f"{param} must be a time between 1970 and 9999 (unix seconds or ISO 8601)",
+            param=param,
+        )
+    return value
+
+
+def _iso_time(raw: str, param: str) -> float:
     try:
         parsed = datetime.fromisoformat(raw.replace("Z", "+00:00"))
-    except ValueError:
+        if parsed.tzinfo is None:
+            parsed = parsed.replace(tzinfo=UTC)
+        return parsed.timestamp()
+    except (ValueError, OverflowError):
         raise ApiError(
             400, f"{param} must be unix seconds or an ISO 8601 date/time", param=param
         ) from None
-    if parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=UTC)
-    return parsed.timestamp()
 
 
 def usage_range(request: Request, reader: UsageReader) -> tuple[UsageRange, str]:
@@ -86,7 +101,7 @@ def _recent_limit(request: Request, default: int) -> int:
     raw = request.query_params.get("recent")
     if raw is None:
         return default
-    if not raw.isdigit() or int(raw) > MAX_RECENT:
+    if not (raw.isascii() and raw.isdigit()) or int(raw) > MAX_RECENT:  # not "²"
         raise ApiError(400, f"recent must be an integer in 0..{MAX_RECENT}", param="recent")
     return int(raw)
 

@@ -39,7 +39,10 @@ from typing import Any
 Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]
 
-_GUARDED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+# Every path a tenant's key calls is under /v1/ (completions, chat, usage, models,
+# feedback): each request takes a share of the gateway (/v1/usage several Redis round
+# trips), so each is counted and, over its share, held.
+_GUARDED_PREFIX = "/v1/"
 KEY_DIGEST = "switchyard.key_digest"  # the scope entry: the request's bearer key, hashed
 
 
@@ -314,7 +317,7 @@ def door_middleware(
     rng = rng or random.Random()
 
     async def guarded(scope: Scope, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or scope["path"] not in _GUARDED_PATHS:
+        if scope["type"] != "http" or not scope["path"].startswith(_GUARDED_PREFIX):
             return await app(scope, receive, send)
         tenant = None
         for name, value in scope["headers"]:

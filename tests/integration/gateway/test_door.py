@@ -69,3 +69,36 @@ def test_an_unknown_key_passes_the_door_to_be_refused_by_authentication(redis_ur
         with s.client("sy-unknown-key") as c:
             r = c.post("/v1/completions", json=BODY)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_usage_requests_pass_the_door_and_wait_in_their_tenants_lane(redis_url):
+    """/v1/usage costs the gateway Redis round trips: a tenant calling it is counted at the
+    door, and over its share it waits in its lane like its completions do."""
+    with gateway_stack(
+        redis_url,
+        replicas={"small": 1},
+        door=True,
+        door_tolerance_s=-1.0,  # the light tenant's latency always counts as suffering
+        door_window_s=600.0,
+        door_max_wait_s=20.0,
+        door_refusal_delay_s=0.0,
+    ) as s:
+        gate, backend = s.gateway.gate, s.backends["small0"]
+        heavy, light = s.tenant("heavy"), s.tenant("light")
+        with s.client(heavy) as h, s.client(light) as lt:
+            for _ in range(4):  # the first passes the door unknown; then heavy is counted
+                assert h.get("/v1/usage").status_code == 200
+            assert lt.post("/v1/completions", json=BODY).status_code == 200
+            assert lt.post("/v1/completions", json=BODY).status_code == 200
+            assert gate.shares.over_share("heavy") and not gate.shares.over_share("light")
+            assert eventually(lambda: gate.limit == 1.0)
+            backend.token_delay_s = 2.0  # 2 tokens: heavy's completion holds its place 4 s
+            with ThreadPoolExecutor(2) as pool:
+                held = pool.submit(h.post, "/v1/completions", json=BODY)
+                assert eventually(lambda: gate.in_flight.get("heavy") == 1)
+                usage = pool.submit(h.get, "/v1/usage")
+                assert eventually(lambda: gate.waiting == 1)  # behind heavy's completion
+                assert lt.get("/v1/usage").status_code == 200  # light is under its share
+                assert gate.waiting == 1 and not usage.done()
+                assert held.result().status_code == 200
+                assert usage.result().status_code == 200
