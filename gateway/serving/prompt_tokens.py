@@ -9,6 +9,7 @@ reservation is reconciled to the worker's own count afterwards.
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,27 @@ class PromptTooLong(Exception):
         self.min_tokens = min_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class ByteBound:
+    """What a tokenizer lets a text's bytes prove: no token stands for more than
+    `max_token_bytes` of its UTF-8, once the `uncovered` bytes (those with no token of their
+    own, which the tokenizer drops) are left out."""
+
+    max_token_bytes: int
+    uncovered: bytes = b""
+
+    def min_tokens(self, text: str) -> int:
+        """The fewest tokens `text` can be: one linear pass, no tokenizing."""
+        data = text.encode()
+        if self.uncovered:
+            data = data.translate(None, self.uncovered)
+        return -(-len(data) // self.max_token_bytes)
+
+
 class PoolTokenizer:
     """A checkpoint's tokenizer and chat template, loaded from its directory (or a bare
-    tokenizer.json, which has no template). `max_token_bytes`: the most bytes of a text one
-    token can stand for (None: not known, the pipeline may drop or merge text)."""
+    tokenizer.json, which has no template). `bound`: what a text's bytes prove about its
+    tokens (None: nothing, the pipeline may drop or merge text without limit)."""
 
     def __init__(self, path: str) -> None:
         p = Path(path)
@@ -49,13 +67,13 @@ class PoolTokenizer:
         from tokenizers import Tokenizer
 
         self.fast = Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
-        self.max_token_bytes = max_token_bytes(json.loads(self.fast.to_str()))
+        self.bound = byte_bound(json.loads(self.fast.to_str()))
 
     def count(self, text: str, limit_tokens: int | None = None) -> int:
         """The text's tokens. `limit_tokens`: raise PromptTooLong, before tokenizing, when
         the text's bytes prove it has more."""
-        if limit_tokens is not None and self.max_token_bytes is not None:
-            min_tokens = -(-len(text.encode()) // self.max_token_bytes)
+        if limit_tokens is not None and self.bound is not None:
+            min_tokens = self.bound.min_tokens(text)
             if min_tokens > limit_tokens:
                 raise PromptTooLong(min_tokens)
         # encode_batch releases the GIL while it works (encode holds it): a count on a
@@ -92,30 +110,45 @@ _NORMALIZER_SHRINK = {"NFC": 4, "NFD": 4, "NFKC": 4, "NFKD": 4, "Lowercase": 4, 
 _KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation"})
 
 
-def max_token_bytes(spec: dict[str, Any]) -> int | None:
-    """The most bytes of the input text one token can stand for, from a tokenizer.json
-    `spec`; None where the pipeline may leave bytes uncovered (an unknown token standing for
-    a whole word, dropped whitespace, a normalizer that deletes), so no bound holds."""
+def byte_bound(spec: dict[str, Any]) -> ByteBound | None:
+    """What a tokenizer.json `spec` lets a text's bytes prove (`ByteBound`); None where the
+    pipeline may leave text uncovered without limit (an unknown token standing for a whole
+    word, dropped whitespace, a normalizer that deletes)."""
     shrink = _shrink(spec.get("normalizer"))
     pre = _pre_tokenizers(spec.get("pre_tokenizer"))
-    if shrink is None or pre is None:
-        return None
     model = spec.get("model") or {}
     vocab = model.get("vocab")
-    if model.get("type") != "BPE" or not isinstance(vocab, dict) or not vocab:
+    if shrink is None or pre is None or model.get("type") != "BPE":
         return None
+    if not isinstance(vocab, dict) or not vocab:
+        return None
+    uncovered = b""
     if "ByteLevel" in pre:
-        from tokenizers.pre_tokenizers import ByteLevel
-
-        if not set(ByteLevel.alphabet()) <= vocab.keys():
-            return None  # a byte with no token of its own would be dropped
+        chars = _byte_level_chars()
+        uncovered = bytes(b for b in range(256) if chars[b] not in vocab)
+        if uncovered and spec.get("normalizer") is not None:
+            return None  # what is dropped would depend on what the normalizer made
         longest = max(len(token) for token in vocab)  # one character per byte
     elif model.get("byte_fallback"):
+        if any(f"<0x{b:02X}>" not in vocab for b in range(256)):
+            return None  # a byte without its fallback token becomes an unknown one
         longest = max(len(token.encode()) for token in vocab)
     else:
         return None  # an unknown character becomes an unknown token, or nothing
-    added = [len(a.get("content", "").encode()) for a in spec.get("added_tokens") or []]
-    return max([longest * shrink, *added])
+    added = spec.get("added_tokens") or []
+    if any(a.get("lstrip") or a.get("rstrip") for a in added):
+        return None  # such a token takes in the whitespace beside it, however long
+    longest_added = [len(a.get("content", "").encode()) for a in added]
+    return ByteBound(max([longest * shrink, *longest_added]), uncovered)
+
+
+def _byte_level_chars() -> dict[int, str]:
+    """The character the ByteLevel pre-tokenizer stands each byte for (GPT-2's map)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(0x100 + n)
+    return chars
 
 
 def _shrink(normalizer: dict[str, Any] | None) -> int | None:
@@ -211,7 +244,7 @@ class PromptCounter:
 
     `limit_tokens`: the most prompt tokens the request may have; a text whose bytes prove
     it longer raises PromptTooLong before it is tokenized (where the pool's tokenizer has a
-    `max_token_bytes`). A count may be over the limit either way: the caller checks it."""
+    `bound`). A count may be over the limit either way: the caller checks it."""
 
     def __init__(self, tokenizers: dict[str, PoolTokenizer]) -> None:
         self._tok = tokenizers

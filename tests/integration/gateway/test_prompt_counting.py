@@ -3,6 +3,7 @@ rendered over every message, then tokenized, so quotas and context limits see it
 count is bounded first (a text whose bytes cannot fit the context is refused untokenized)
 and a big one is tokenized off the event loop, in its tenant's own lane."""
 
+import json
 import random
 import threading
 from collections.abc import Iterator
@@ -10,7 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from gateway.serving.prompt_tokens import PoolTokenizer, PromptCounter, max_token_bytes
+from gateway.serving.prompt_tokens import ByteBound, PoolTokenizer, PromptCounter, byte_bound
 from tests.integration.gateway.conftest import Stack, gateway_stack
 from tests.integration.gateway.faults_support import Background, wait_until
 from workers.api.types import ChatMessage
@@ -51,7 +52,7 @@ def test_without_a_tokenizer_every_field_is_estimated():
 
 def test_no_token_stands_for_more_bytes_than_max_token_bytes(demo_dir):
     tok = PoolTokenizer(str(demo_dir))
-    assert tok.max_token_bytes is not None
+    assert tok.bound is not None and tok.bound.uncovered == b""
     rng = random.Random(7)
     vocab = list(tok.fast.get_vocab())
     texts = [
@@ -65,7 +66,23 @@ def test_no_token_stands_for_more_bytes_than_max_token_bytes(demo_dir):
     ]
     for text in texts:
         counted = len(tok.fast.encode(text, add_special_tokens=False).ids)
-        assert counted >= len(text.encode()) / tok.max_token_bytes, text[:40]
+        assert counted >= tok.bound.min_tokens(text) > 0, text[:40]
+
+
+def test_bytes_a_byte_level_tokenizer_drops_are_left_out_of_the_bound():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    dropped = "\u0104"  # the byte-level character of byte 0x04: no token of its own
+    vocab = {c: i for i, c in enumerate(sorted(set(alphabet) - {dropped}))}
+    fast = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bound = byte_bound(json.loads(fast.to_str()))
+    assert bound == ByteBound(1, b"\x04")
+    for text in ("\x04" * 1000, "a\x04" * 500, "hello"):
+        counted = len(fast.encode(text, add_special_tokens=False).ids)
+        assert counted >= bound.min_tokens(text), text[:10]
+    assert bound.min_tokens("\x04" * 1000) == 0  # all dropped: proves nothing
 
 
 def _spec(**parts) -> dict:
@@ -75,24 +92,31 @@ def _spec(**parts) -> dict:
         "pre_tokenizer": None,
         "added_tokens": [],
     }
-    return {**base, **parts}
+    spec = {**base, **parts}
+    if spec["model"].get("byte_fallback"):
+        spec["model"]["vocab"] = {"a": 0, **{f"<0x{b:02X}>": b + 1 for b in range(256)}}
+    return spec
 
 
 def test_a_pipeline_that_can_leave_text_uncovered_has_no_byte_bound():
-    assert max_token_bytes(_spec()) == 1
-    assert max_token_bytes(_spec(normalizer={"type": "NFKC"})) == 4
-    assert max_token_bytes(_spec(added_tokens=[{"content": "<|long-special|>"}])) == 16
+    assert byte_bound(_spec()) == ByteBound(6)  # "<0x0A>" is the longest spelling
+    assert byte_bound(_spec(normalizer={"type": "NFKC"})) == ByteBound(24)
+    assert byte_bound(_spec(added_tokens=[{"content": "<|a-long-special|>"}])) == ByteBound(18)
     dropping = [
         {"pre_tokenizer": {"type": "Whitespace"}},  # spaces vanish
         {"pre_tokenizer": {"type": "Split", "behavior": "Removed"}},
         {"normalizer": {"type": "Strip"}},
         {"normalizer": {"type": "Replace", "pattern": {"Regex": " +"}, "content": " "}},
         {"normalizer": {"type": "Sequence", "normalizers": [{"type": "BertNormalizer"}]}},
+        {"added_tokens": [{"content": "<mask>", "lstrip": True}]},  # takes the spaces before
         {"model": {"type": "WordPiece", "vocab": {"a": 0}, "unk_token": "[UNK]"}},
         {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": [], "unk_token": "<unk>"}},
     ]
     for parts in dropping:
-        assert max_token_bytes(_spec(**parts)) is None, parts
+        assert byte_bound(_spec(**parts)) is None, parts
+    no_fallback_for_0xff = _spec()
+    del no_fallback_for_0xff["model"]["vocab"]["<0xFF>"]
+    assert byte_bound(no_fallback_for_0xff) is None
 
 
 class GatedTokenizer:
