@@ -10,9 +10,15 @@ and `UpstreamError` (while one was read).
 The aiohttp session is made on first use inside the running event loop (aiohttp binds a
 session to its loop), and again if a later call runs on another loop (tests that call
 `asyncio.run` more than once).
+
+A worker's answer is untrusted input: its head is bounded (`max_head_bytes`), a body read
+whole is bounded (`aread(max_bytes)`), and `heard_at` says when anything last came from a
+worker, so a caller can tell a slow worker (still sending, or answering polls) from a
+silent one.
 """
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -20,12 +26,13 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 
-from workers.api.http1 import Http1Error, Http1Pool, Http1Response
+from workers.api.http1 import BodyTooLarge, ConnectFailed, Http1Error, Http1Pool, Http1Response
 from workers.api.types import LoadReport
 
 _TRANSPORT_ERRORS = (aiohttp.ClientError, OSError)
 _JSON = {"content-type": "application/json"}
 _JSON_LINES = b"Content-Type: application/json\r\n"
+_DEFAULT_MAX_BODY_BYTES = 64 << 20  # `aread` without a bound of the caller's
 
 
 async def _head(url: str, sending: Awaitable[Any], stream: bool, timeout_s: float) -> Any:
@@ -34,7 +41,9 @@ async def _head(url: str, sending: Awaitable[Any], stream: bool, timeout_s: floa
     try:
         return await (asyncio.wait_for(sending, timeout_s) if stream else sending)
     except TimeoutError:
-        raise WorkerUnavailable(url, f"no response within {timeout_s:g} s") from None
+        raise WorkerUnavailable(url, f"no response within {timeout_s:g} s", "late") from None
+    except ConnectFailed as exc:
+        raise WorkerUnavailable(url, str(exc) or repr(exc), "connect") from exc
     except (Http1Error, *_TRANSPORT_ERRORS) as exc:
         raise WorkerUnavailable(url, str(exc) or repr(exc)) from exc
 
@@ -49,12 +58,17 @@ def _http_origin(url: str) -> tuple[str, int] | None:
 
 class WorkerUnavailable(Exception):
     """The worker could not be reached, or did not start its answer in time. Nothing of
-    the request was delivered to the client, so another replica may take it."""
+    the request was delivered to the client, so another replica may take it.
 
-    def __init__(self, url: str, reason: str) -> None:
+    `kind`: "connect" (no connection could be made), "late" (no head within the first-byte
+    timeout: the worker may be alive and slow), "failed" (the connection broke, or the
+    worker broke the protocol, before a head)."""
+
+    def __init__(self, url: str, reason: str, kind: str = "failed") -> None:
         super().__init__(f"{url}: {reason}")
         self.url = url
         self.reason = reason
+        self.kind = kind
 
 
 class UpstreamError(Exception):
@@ -81,9 +95,11 @@ class UpstreamResponse:
         """Case-insensitive."""
         return self._r.headers
 
-    async def aread(self) -> bytes:
+    async def aread(self, max_bytes: int = _DEFAULT_MAX_BODY_BYTES) -> bytes:
+        """The whole body; UpstreamError when the connection breaks first or when more
+        than `max_bytes` arrive (the connection is then dropped)."""
         try:
-            return await self._r.aread()
+            return await self._r.aread(max_bytes)
         except Http1Error as exc:
             raise UpstreamError(repr(exc)) from exc
 
@@ -124,11 +140,16 @@ class _AiohttpResponse(UpstreamResponse):
     def headers(self) -> Mapping[str, str]:
         return self._r.headers
 
-    async def aread(self) -> bytes:
-        try:
-            return await self._r.read()  # type: ignore[attr-defined]
-        except _TRANSPORT_ERRORS as exc:
-            raise UpstreamError(repr(exc)) from exc
+    async def aread(self, max_bytes: int = _DEFAULT_MAX_BODY_BYTES) -> bytes:
+        pieces = []
+        received = 0
+        async for piece in self.aiter_raw():
+            received += len(piece)
+            if received > max_bytes:
+                self._r.close()  # type: ignore[attr-defined]
+                raise UpstreamError(repr(BodyTooLarge(f"a body over {max_bytes} bytes")))
+            pieces.append(piece)
+        return b"".join(pieces)
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         content = self._r.content  # type: ignore[attr-defined]
@@ -173,6 +194,8 @@ class WorkerClient:
     request waits for its first token), so a streaming request that gets no status within
     this time went to a hung worker. A non-streaming answer starts only when it is whole:
     the caller bounds those by the request's deadline and the worker's health instead.
+    `max_head_bytes` bounds a response's status line and headers (http:// workers; aiohttp
+    bounds its own at 8 KiB a line).
     """
 
     def __init__(
@@ -181,14 +204,16 @@ class WorkerClient:
         *,
         max_connections: int = 1024,
         connect_timeout_s: float = 2.0,
+        max_head_bytes: int = 65536,
     ) -> None:
         self.first_byte_timeout_s = first_byte_timeout_s
         self.max_connections = max_connections
         self.connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._http1 = Http1Pool(connect_timeout_s)
+        self._http1 = Http1Pool(connect_timeout_s, max_head_bytes=max_head_bytes)
         self._origins: dict[str, tuple[str, int] | None] = {}  # worker URL -> (host, port)
+        self._heard: dict[str, float] = {}  # worker URL -> when a poll or head last came back
 
     def _http(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
@@ -219,9 +244,20 @@ class WorkerClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    def heard_at(self, url: str) -> float:
+        """time.monotonic() when anything last came from the worker at `url`: an answer to
+        a poll, a response head, or any byte on one of its connections (0.0: never)."""
+        origin = self._origins.get(url)
+        on_wire = self._http1.heard.get(origin, 0.0) if origin is not None else 0.0
+        return max(self._heard.get(url, 0.0), on_wire)
+
+    def quiet_s(self, url: str) -> float:
+        """Seconds since anything came from the worker at `url` (`heard_at`)."""
+        return time.monotonic() - self.heard_at(url)
+
     async def load(self, url: str, timeout_s: float = 1.0) -> LoadReport | None:
         """The worker's `/load`; None when it cannot be had or is not a LoadReport."""
-        status, body = await self.get(f"{url}/load", timeout_s)
+        status, body = await self.get(f"{url}/load", timeout_s, heard=url)
         if status != 200:
             return None
         try:
@@ -231,13 +267,18 @@ class WorkerClient:
 
     async def alive(self, url: str, timeout_s: float = 1.0) -> bool:
         """`/health` answers 200 (an OpenAI-compatible server without `/load`)."""
-        return (await self.get(f"{url}/health", timeout_s))[0] == 200
+        return (await self.get(f"{url}/health", timeout_s, heard=url))[0] == 200
 
-    async def get(self, url: str, timeout_s: float) -> tuple[int | None, bytes]:
-        """GET `url` whole: (status, body); (None, b"") when it cannot be had in time."""
+    async def get(
+        self, url: str, timeout_s: float, heard: str | None = None
+    ) -> tuple[int | None, bytes]:
+        """GET `url` whole: (status, body); (None, b"") when it cannot be had in time.
+        `heard`: the worker URL whose `heard_at` an answer (any status) renews."""
         try:
             timeout = aiohttp.ClientTimeout(total=timeout_s)
             async with self._http().get(url, timeout=timeout) as r:
+                if heard is not None:
+                    self._heard[heard] = time.monotonic()
                 return r.status, await r.read()
         except (*_TRANSPORT_ERRORS, TimeoutError):
             return None, b""
@@ -273,7 +314,11 @@ class WorkerClient:
         origin = self._origins[url]
         if origin is None:  # https: aiohttp
             sending = self._http().post(f"{url}{path}", data=body, headers=_JSON)
-            return _AiohttpResponse(await _head(url, sending, stream, timeout_s))
+            response: UpstreamResponse = _AiohttpResponse(
+                await _head(url, sending, stream, timeout_s)
+            )
+            self._heard[url] = time.monotonic()
+            return response
         sending = self._http1.post(origin, path, body, _JSON_LINES)
         return UpstreamResponse(await _head(url, sending, stream, timeout_s))
 

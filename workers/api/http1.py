@@ -15,17 +15,32 @@ What the caller sees (`workers.api.client.UpstreamResponse` wraps it):
 - a body not read to its end closes the connection when the response is closed (which is
   how a worker learns its request was abandoned); one read to its end goes back to the
   idle connections if both sides keep it alive.
+
+The server is untrusted input, our own workers included: a response head is at most
+`max_head_bytes` (the parser's cost grows with the square of one long header's pieces), a
+body read whole at most what the caller allows (`aread(max_bytes)`), and a byte nobody
+asked for drops the connection without reaching anyone: an interim 1xx (we never send
+`Expect`), a second response after the one asked for, or anything that arrives on an idle
+connection, seen as it arrives or, at the latest, when the connection is taken for reuse.
 """
 
 import asyncio
 import collections
+import select
 import time
 from collections.abc import AsyncIterator
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
-__all__ = ["ConnectFailed", "Http1Error", "Http1Pool", "Http1Response", "NothingAnswered"]
+__all__ = [
+    "BodyTooLarge",
+    "ConnectFailed",
+    "Http1Error",
+    "Http1Pool",
+    "Http1Response",
+    "NothingAnswered",
+]
 
 _HIGH_WATER = 1 << 20  # buffered, unread body bytes above which reading pauses
 _LOW_WATER = 1 << 18
@@ -43,6 +58,14 @@ class NothingAnswered(Http1Error):
     """The connection ended before any byte of a response."""
 
 
+class BodyTooLarge(Http1Error):
+    """A body read whole was longer than the caller allows (the connection is dropped)."""
+
+
+class _Unasked(Exception):
+    """Raised inside a parser callback: the server sent something that was not asked for."""
+
+
 class _Connection(asyncio.Protocol):
     """One socket to an origin; a response parser fed from it."""
 
@@ -53,6 +76,8 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.response: Http1Response | None = None  # the exchange in progress
+        self.head_left = 0  # bytes the response head may still take; -1 once it is in
+        self.began = False  # a response message began for the exchange in progress
         self.lost = False
         self.paused = False
         self.idle_since = 0.0
@@ -63,17 +88,48 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        if self.response is None:  # bytes nobody asked for: not a connection to keep
+        self.pool.heard[self.origin] = time.monotonic()
+        response = self.response
+        if response is None or response.complete:
+            # Bytes nobody asked for (after the answer, or on an idle connection): they
+            # reach no one, and the connection is not one to keep.
             self._drop()
             return
+        if self.head_left >= 0:  # the head is still arriving: bounded
+            if len(data) > self.head_left:
+                head, data = data[: self.head_left], data[self.head_left :]
+                self.head_left = 0
+                if not self._feed(head, response):
+                    return
+                if self.head_left >= 0:
+                    limit = self.pool.max_head_bytes
+                    self._refuse(response, Http1Error(f"a response head over {limit} bytes"))
+                    return
+            else:
+                self.head_left -= len(data)
+        self._feed(data, response)
+
+    def _feed(self, data: bytes, response: "Http1Response") -> bool:
+        """Parse `data`; False when it ended the exchange (the connection dropped)."""
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self.response._fail(Http1Error("the server switched protocols"))
-            self._drop()
+            self._refuse(response, Http1Error("the server switched protocols"))
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            reason = str(cause) if isinstance(cause, _Unasked) else f"malformed: {cause!r}"
+            self._refuse(response, Http1Error(reason))
         except httptools.HttpParserError as exc:
-            self.response._fail(Http1Error(f"malformed HTTP response: {exc}"))
-            self._drop()
+            self._refuse(response, Http1Error(f"malformed HTTP response: {exc}"))
+        else:
+            return not self.lost
+        return False
+
+    def _refuse(self, response: "Http1Response", exc: Http1Error) -> None:
+        """The server broke the protocol: the exchange fails (an answer already whole
+        keeps what it got) and the connection is dropped."""
+        response._fail(exc)
+        self._drop()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -92,13 +148,22 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools callbacks
 
+    def on_message_begin(self) -> None:
+        if self.began:
+            raise _Unasked("a second response to one request")
+        self.began = True
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.response._raw_headers.append((name, value))  # type: ignore[union-attr]
 
     def on_headers_complete(self) -> None:
         response = self.response
         assert response is not None
-        response.status_code = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if status < 200:
+            raise _Unasked(f"an interim {status} response (no Expect was sent)")
+        self.head_left = -1
+        response.status_code = status
         response._keep_alive = self.parser.should_keep_alive()
         response._head_done()
 
@@ -170,10 +235,16 @@ class Http1Response:
             self._headers = CIMultiDictProxy(CIMultiDict(pairs))
         return self._headers
 
-    async def aread(self) -> bytes:
-        """The whole body. Raises Http1Error if the connection fails first."""
+    async def aread(self, max_bytes: int | None = None) -> bytes:
+        """The whole body. Raises Http1Error if the connection fails first, BodyTooLarge
+        (dropping the connection) once more than `max_bytes` arrived (None: no bound)."""
         pieces = []
+        received = 0
         async for piece in self.aiter_raw():
+            received += len(piece)
+            if max_bytes is not None and received > max_bytes:
+                self._conn._drop()
+                raise BodyTooLarge(f"a body over {max_bytes} bytes")
             pieces.append(piece)
         return b"".join(pieces)
 
@@ -254,6 +325,8 @@ class Http1Pool:
     closed instead of reused; keep it under the servers' keep-alive timeout (uvicorn's
     default is 5 s), so a request is not sent on a socket the server is closing.
     max_idle_per_origin: idle connections kept per origin (more are closed).
+    max_head_bytes: the most a response's status line and headers may take (else the
+    exchange fails with Http1Error and the connection is dropped).
     """
 
     def __init__(
@@ -262,13 +335,18 @@ class Http1Pool:
         *,
         idle_timeout_s: float = 4.0,
         max_idle_per_origin: int = 256,
+        max_head_bytes: int = 65536,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.max_idle_per_origin = max_idle_per_origin
+        self.max_head_bytes = max_head_bytes
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._all: set[_Connection] = set()
         self.connects = 0  # connections made
+        # time.monotonic() when a byte last came from an origin (proof that it is alive)
+        self.heard: dict[tuple[str, int], float] = {}
+        self._poll = select.poll()
 
     async def post(
         self, origin: tuple[str, int], path: str, body: bytes, headers: bytes = b""
@@ -297,6 +375,8 @@ class Http1Pool:
     async def _exchange(self, conn: _Connection, request: bytes) -> Http1Response:
         response = Http1Response(conn)
         conn.response = response
+        conn.head_left = self.max_head_bytes
+        conn.began = False
         assert conn.transport is not None
         conn.transport.write(request)
         try:
@@ -325,11 +405,27 @@ class Http1Pool:
             if conn.loop is not loop:  # made on a loop that is gone: left to it
                 self._all.discard(conn)
                 continue
-            if conn.lost or conn.idle_since < stale_before:
+            if conn.lost or conn.idle_since < stale_before or self._readable(conn):
                 conn._drop()
                 continue
             return conn
         return None
+
+    def _readable(self, conn: _Connection) -> bool:
+        """Bytes (or the end) wait on an idle connection that the event loop has not
+        handed over yet: nothing was asked there, so it is not reused (a request sent on
+        it would be answered with them)."""
+        sock = conn.transport.get_extra_info("socket") if conn.transport else None
+        if sock is None:
+            return False
+        fd = sock.fileno()
+        if fd < 0:
+            return True
+        self._poll.register(fd, select.POLLIN)
+        try:
+            return bool(self._poll.poll(0))
+        finally:
+            self._poll.unregister(fd)
 
     async def _connect(self, origin: tuple[str, int]) -> _Connection:
         loop = asyncio.get_running_loop()
