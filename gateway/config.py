@@ -99,3 +99,18 @@ class GatewayConfig:
     count_threads: int = 2
     count_per_tenant: int = 1
     count_lane_max: int = 64
+    # A worker's answer is untrusted input (gateway/serving/attempts.py, relay.py,
+    # workers/api/http1.py). Its status line and headers: at most upstream_max_head_bytes
+    # (else the try fails and moves to another replica). A whole body, or a stream's bytes
+    # in all: at most upstream_min_answer_bytes + upstream_bytes_per_token per token the
+    # request may produce (n * max_tokens, plus the prompt per sample when echoed); past
+    # it, 502 (in-band on a stream). 4 KiB a token covers a chat token with 20 top
+    # logprobs; the default request (256 tokens) may take 2 MiB.
+    upstream_max_head_bytes: int = 65536
+    upstream_min_answer_bytes: int = 1 << 20
+    upstream_bytes_per_token: int = 4096
+    # A non-streaming request waiting on a worker that the poller (or a first-byte timeout)
+    # sees unreachable keeps waiting while anything comes from that worker (a poll answer,
+    # a byte on any of its connections): a worker busy building a large answer is slow,
+    # not lost. Silent this long, it is lost: the request moves to another replica.
+    worker_lost_after_s: float = 5.0

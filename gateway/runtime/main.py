@@ -53,7 +53,10 @@ def build_gateway(
     registry = CollectorRegistry()
     # Whole-request timeouts are the request's deadline (dispatch) and the stream's idle
     # bound (relay); the client bounds only connecting.
-    workers = WorkerClient(first_byte_timeout_s=config.first_byte_timeout_s)
+    workers = WorkerClient(
+        first_byte_timeout_s=config.first_byte_timeout_s,
+        max_head_bytes=config.upstream_max_head_bytes,
+    )
     queue = QueueConfig(
         max_requests=config.queue_max_requests,
         max_wait_s=config.queue_max_wait_s,

@@ -1,5 +1,9 @@
 """Serving a non-streaming request: the answer raced against the client leaving (which
-aborts the work at the worker) and a shutdown cut; escalation of an unsure small answer."""
+aborts the work at the worker) and a shutdown cut; escalation of an unsure small answer.
+
+A worker's body is read by the deadline and within `attempts.answer_bytes`; one that is
+not a completion is a 502, and its usage is billed clamped (`plan.billed`): the client
+is told what it is charged."""
 
 import asyncio
 import logging
@@ -10,10 +14,11 @@ from litestar import Request, Response
 from cascade.policy import should_escalate
 from gateway.errors import error_response, to_api_error
 from gateway.gateway import Gateway
-from gateway.serving.attempts import open_attempt, relayed_error
+from gateway.serving.attempts import answer_bytes, open_attempt, read_answer, relayed_error
 from gateway.serving.flight import Attempt, Flight
-from gateway.serving.plan import note_usage, upstream_body
-from workers.api.types import ApiError, parse_summary
+from gateway.serving.plan import Plan, billed, counts, note_usage, upstream_body
+from workers.api.client import UpstreamError, UpstreamResponse
+from workers.api.types import ApiError, Usage, parse_summary
 
 log = logging.getLogger("gateway.serving.handler")
 
@@ -55,11 +60,8 @@ async def _complete(
     body = upstream_body(flight.req, plan, gw.cache_salt(plan.tenant_id), with_logprobs=escalate)
     upstream = await open_attempt(gw, flight, attempt, body, stream=False)
     if upstream.status_code != 200:
-        return await relayed_error(upstream, headers)
-    content = await upstream.aread()
-    summary = parse_summary(content)
-    if summary is not None:
-        note_usage(attempt.served, summary.usage)
+        return await relayed_error(upstream, plan, headers)
+    content = await _answer(gw, flight, attempt, upstream)
     if escalate:
         content = await _maybe_escalate(gw, flight, content, headers)
     elif gw.learner is not None:
@@ -67,6 +69,30 @@ async def _complete(
     return Response(
         content=content, status_code=200, headers=headers, media_type="application/json"
     )
+
+
+async def _answer(
+    gw: Gateway, flight: Flight, attempt: Attempt, upstream: UpstreamResponse
+) -> bytes:
+    """The worker's 200 body, its usage noted on the attempt and, where the worker claimed
+    more than the request could have produced, replaced by what it is billed. Raises
+    UpstreamError for a body that is too large or not a completion, DeadlineExceeded."""
+    plan = flight.plan
+    content = await read_answer(upstream, plan, answer_bytes(gw, flight))
+    summary = parse_summary(content)
+    if summary is None:
+        raise UpstreamError("the model server's answer is not a completion")
+    note_usage(attempt.served, summary.usage)
+    return _told(content, plan, attempt, summary.usage)
+
+
+def _told(content: bytes, plan: Plan, attempt: Attempt, reported: Usage | None) -> bytes:
+    bill = billed(plan, attempt.served)
+    if reported is None or counts(reported) == counts(bill):
+        return content
+    answer = msgspec.json.decode(content)  # an object: parse_summary decoded it
+    answer["usage"] = bill
+    return msgspec.json.encode(answer)
 
 
 async def _maybe_escalate(
@@ -90,11 +116,7 @@ async def _maybe_escalate(
             attempt = flight.attempt(large)
             upstream = await open_attempt(gw, flight, attempt, body, stream=False)
             if upstream.status_code == 200:
-                large_content = await upstream.aread()
-                summary = parse_summary(large_content)
-                if summary is not None:
-                    note_usage(attempt.served, summary.usage)
-                answer = msgspec.json.decode(large_content)
+                answer = msgspec.json.decode(await _answer(gw, flight, attempt, upstream))
                 changed = answer_text(answer) != answer_text(small)
                 router.metrics.escalations.labels("true" if changed else "false").inc()
                 headers["x-switchyard-model"] = large
@@ -110,20 +132,38 @@ async def _maybe_escalate(
     elif gw.learner is not None:
         gw.learner.on_answer(gw, plan, flight.req, content)
     if not plan.client_logprobs:
-        for choice in answer.get("choices", []):
+        for choice in _choices(answer):
             choice["logprobs"] = None
     return msgspec.json.encode(answer)
 
 
-def token_logprobs(body: dict) -> list[float]:
-    """Chosen-token log-probabilities of the first choice (chat or completions shape)."""
-    choice = (body.get("choices") or [{}])[0]
-    lp = choice.get("logprobs") or {}
+def _choices(body: object) -> list[dict]:
+    """The answer's choices that are objects (a worker's answer is read defensively)."""
+    choices = body.get("choices") if isinstance(body, dict) else None
+    return [c for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def token_logprobs(body: object) -> list[float]:
+    """Chosen-token log-probabilities of the first choice (chat or completions shape);
+    what is not a number is left out."""
+    choices = _choices(body)
+    lp = choices[0].get("logprobs") if choices else None
+    if not isinstance(lp, dict):
+        return []
     if "content" in lp:
-        return [t["logprob"] for t in lp["content"] or []]
-    return [x for x in lp.get("token_logprobs") or [] if x is not None]
+        items = lp["content"] if isinstance(lp["content"], list) else []
+        return [t["logprob"] for t in items if isinstance(t, dict) and _number(t.get("logprob"))]
+    values = lp.get("token_logprobs")
+    return [x for x in values if _number(x)] if isinstance(values, list) else []
 
 
-def answer_text(body: dict) -> str:
-    choice = (body.get("choices") or [{}])[0]
-    return choice.get("text") or (choice.get("message") or {}).get("content") or ""
+def answer_text(body: object) -> str:
+    choices = _choices(body)
+    choice = choices[0] if choices else {}
+    message = choice.get("message")
+    text = choice.get("text") or (message.get("content") if isinstance(message, dict) else "")
+    return text if isinstance(text, str) else ""

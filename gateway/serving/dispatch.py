@@ -2,15 +2,22 @@
 the answer reached the client, never after.
 
 Retried on another replica (honouring its Retry-After, capped, with jitter): a worker
-that could not be reached or did not start its answer in time, went unreachable or
-stalled while a non-streaming answer was pending, or refused with a status in
-`RETRYABLE_STATUSES` (overload, not the request's fault). Never retried: any other
-answer, 4xx and 500 included, since those are about the request itself, and carrying a
-request that breaks workers from replica to replica would break the whole pool.
+that could not be reached or did not start its answer in time, was lost while a
+non-streaming answer was pending, or refused with a status in `RETRYABLE_STATUSES`
+(overload, not the request's fault). Never retried: any other answer, 4xx and 500
+included, since those are about the request itself, and carrying a request that breaks
+workers from replica to replica would break the whole pool.
+
+A slow worker is not a lost one. A worker is lost when it says it is stalled, or leaves
+the pool as dead, or when the pool sees it unreachable and nothing at all (no poll
+answer, no byte on any of its connections) came from it for `lost_after_s`. A worker
+building a large answer, or sending another, keeps the requests it holds; a first-byte
+timeout marks a worker unreachable for the others only when it was that silent too.
 """
 
 import asyncio
 import logging
+import math
 import random
 import time
 
@@ -19,11 +26,13 @@ from tenacity.wait import wait_base
 
 from gateway.capacity.admission import DeadlineExceeded
 from gateway.capacity.lease import Lease
+from gateway.capacity.pool import Pool
 from workers.api.client import UpstreamResponse, WorkerClient, WorkerUnavailable
 
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})  # the worker's or its proxy's overload
+LOST_AFTER_S = 5.0  # silence (no poll answer, no byte) after which an unreachable worker is lost
 
 
 class Refused(Exception):
@@ -49,11 +58,14 @@ class _WaitRetryAfter(wait_base):
         return min(base, self.cap_s) * (1.0 + 0.5 * self.rng.random())
 
 
-def _retry_after(r: UpstreamResponse) -> float:
+def _retry_after(r: UpstreamResponse, default_s: float = 0.2) -> float:
+    """The worker's Retry-After in seconds: a finite, non-negative number, else
+    `default_s` (an HTTP date, `nan`, `inf`, garbage or a negative number alike)."""
     try:
-        return float(r.headers.get("retry-after", "0.2"))
+        value = float(r.headers.get("retry-after", default_s))
     except ValueError:
-        return 0.2
+        return default_s
+    return value if math.isfinite(value) and value >= 0 else default_s
 
 
 async def send_attempt(
@@ -66,6 +78,7 @@ async def send_attempt(
     attempts: int,
     retry_cap_s: float,
     rng: random.Random,
+    lost_after_s: float = LOST_AFTER_S,
 ) -> UpstreamResponse:
     """The first answer that is not a refusal, with its status and headers read and its
     body unread (the caller reads or relays it, then closes it). The lease holds the slot
@@ -77,7 +90,7 @@ async def send_attempt(
     # The first try outside tenacity: most requests need no other, and setting up the
     # retry loop cost more CPU than the try (py-spy: ~5% of a plain request).
     try:
-        return await _try_once(client, lease, path, body, stream)
+        return await _try_once(client, lease, path, body, stream, lost_after_s)
     except Refused as exc:
         if attempts <= 1:
             raise
@@ -91,44 +104,64 @@ async def send_attempt(
     )
     async for trying in retrying:
         with trying:
-            return await _try_once(client, lease, path, body, stream)
+            return await _try_once(client, lease, path, body, stream, lost_after_s)
     raise AssertionError("unreachable")
 
 
 async def _try_once(
-    client: WorkerClient, lease: Lease, path: str, body: bytes, stream: bool
+    client: WorkerClient, lease: Lease, path: str, body: bytes, stream: bool, lost_after_s: float
 ) -> UpstreamResponse:
     view = lease.next_worker()
     pool = lease.pool
-    remaining_s = lease.ticket.deadline - time.monotonic()
+    deadline = lease.ticket.deadline
+    remaining_s = deadline - time.monotonic()
     if remaining_s <= 0:
-        raise DeadlineExceeded(lease.ticket.request_id, lease.ticket.deadline, 0.0, "dispatch")
-    lost = pool.lost(view.url)
+        raise DeadlineExceeded(lease.ticket.request_id, deadline, 0.0, "dispatch")
     sending = asyncio.ensure_future(client.post(view.url, path, body, stream=stream))
-    watching = lost
     try:
-        done, _ = await asyncio.wait(
-            {sending, watching}, timeout=remaining_s, return_when=asyncio.FIRST_COMPLETED
-        )
+        while True:
+            # The answer, raced against the pool's word that the worker is unreachable or
+            # stalled; once it is unreachable, against its silence making it lost.
+            lost = pool.lost(view.url)
+            wait_s = deadline - time.monotonic()
+            if lost.done():
+                if _is_lost(pool, client, view.url, lost_after_s):
+                    _close_later(sending)
+                    raise Refused(f"{view.url} went {view.state} before answering")
+                wait_s = min(wait_s, max(lost_after_s - client.quiet_s(view.url), 0.05))
+            done, _ = await asyncio.wait(
+                {sending} if lost.done() else {sending, lost},
+                timeout=max(wait_s, 0.0),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if sending in done:
+                break
+            if time.monotonic() >= deadline:
+                _close_later(sending)
+                raise DeadlineExceeded(lease.ticket.request_id, deadline, remaining_s, "dispatch")
     finally:
         if not sending.done():
             sending.cancel()
-    if sending not in done:
-        _close_later(sending)
-        if watching in done:
-            raise Refused(f"{view.url} went {view.state} before answering")
-        raise DeadlineExceeded(
-            lease.ticket.request_id, lease.ticket.deadline, remaining_s, "dispatch"
-        )
     try:
         r = sending.result()
     except WorkerUnavailable as exc:
-        pool.mark_unreachable(view.url)
+        if exc.kind != "late" or client.quiet_s(view.url) >= lost_after_s:
+            pool.mark_unreachable(view.url)  # not for a worker heard from lately: slow
         raise Refused(str(exc)) from exc
     if r.status_code in RETRYABLE_STATUSES:
         await r.aclose()
         raise Refused(f"{view.url} answered {r.status_code}", _retry_after(r))
     return r
+
+
+def _is_lost(pool: Pool, client: WorkerClient, url: str, lost_after_s: float) -> bool:
+    """The worker at `url` will not answer what it holds: it says it is stalled, it left
+    the pool as dead, or the pool sees it unreachable and it has been silent for
+    `lost_after_s`."""
+    view = pool.views.get(url)
+    if view is None or view.state == "stalled":
+        return True
+    return view.state == "unreachable" and client.quiet_s(url) >= lost_after_s
 
 
 def _close_later(task: "asyncio.Future[UpstreamResponse]") -> None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from gateway.capacity.admission import Ticket
 from gateway.capacity.lease import Lease
-from gateway.serving.plan import Plan, PublicRequest, Served, charge
+from gateway.serving.plan import Plan, PublicRequest, Served, billed
 from gateway.serving.record import Outcome, RequestRecord
 from quota.limiter import Reservation
 from quota.usage import UsagePart
@@ -151,11 +151,11 @@ class Flight:
             model = a.lease.pool.name
             if i > 0:
                 route = "escalated"
-            total = charge(plan, served)
-            prompt = served.usage_prompt_tokens
-            prompt = plan.prompt_tokens if prompt is None else prompt
-            parts.append(UsagePart(model, prompt, served.usage_cached_tokens, total - prompt))
-            charged += total
+            bill = billed(plan, served)  # the worker's usage, clamped
+            details = bill.prompt_tokens_details
+            cached = details.cached_tokens if details is not None else 0
+            parts.append(UsagePart(model, bill.prompt_tokens, cached, bill.completion_tokens))
+            charged += bill.total_tokens
         status = record.status if record.status is not None else 499
         if status == 200 and cut:
             status = 499  # the client left before the answer ended

@@ -20,6 +20,7 @@ from workers.api.types import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    PromptTokensDetails,
     StreamOptions,
     Usage,
 )
@@ -215,13 +216,41 @@ def note_usage(served: Served, usage: Usage | None) -> None:
     served.usage_cached_tokens = details.cached_tokens if details is not None else 0
 
 
-def charge(plan: Plan, served: Served) -> int:
-    """Tokens to charge for one attempt: the worker's usage; else, for a request a worker
-    accepted and then lost (stream cut, client gone), the prompt plus what was relayed,
-    never more than the attempt's budget; else nothing (refused, never dispatched)."""
+def billed(plan: Plan, served: Served) -> Usage:
+    """What one attempt is billed. The worker's usage when it came, clamped to what the
+    request could have produced (a worker is untrusted input): the completion to
+    `n * max_tokens` and, on a stream, to the output chunks relayed (one per token); the
+    whole to the attempt's budget (`attempt_tokens`: the gateway's prompt count is an
+    estimate where it has no tokenizer, so the worker's may be larger); cached tokens to
+    the prompt. Else, for a request a worker accepted and then lost (stream cut, client
+    gone), the prompt plus what was relayed, never more than the attempt's budget; else
+    nothing (refused, never dispatched)."""
+    budget = plan.n * plan.max_tokens
     if served.usage_completion_tokens is not None:
-        prompt = served.usage_prompt_tokens
-        return (plan.prompt_tokens if prompt is None else prompt) + served.usage_completion_tokens
-    if served.accepted:
-        return plan.prompt_tokens + min(served.tokens_relayed, plan.n * plan.max_tokens)
-    return 0
+        if plan.stream:
+            budget = min(budget, served.tokens_relayed)
+        completion = _clamp(served.usage_completion_tokens, budget)
+        reported = served.usage_prompt_tokens
+        reported = plan.prompt_tokens if reported is None else reported
+        prompt = _clamp(reported, plan.attempt_tokens - completion)
+        cached = _clamp(served.usage_cached_tokens, prompt)
+    elif served.accepted:
+        prompt, completion, cached = plan.prompt_tokens, min(served.tokens_relayed, budget), 0
+    else:
+        prompt = completion = cached = 0
+    details = PromptTokensDetails(cached) if cached else None
+    return Usage(prompt, completion, prompt + completion, details)
+
+
+def _clamp(value: int, most: int) -> int:
+    return max(0, min(value, most))
+
+
+def counts(usage: Usage) -> tuple[int, int, int]:
+    """(prompt, completion, total) tokens: what a bill and a worker's report compare on."""
+    return usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
+
+
+def charge(plan: Plan, served: Served) -> int:
+    """Tokens to charge for one attempt: `billed(...).total_tokens`."""
+    return billed(plan, served).total_tokens

@@ -7,7 +7,11 @@ unless the client asked for it), and an error event ends the relay after forward
 Every other event is an output chunk, recognised by its bytes, and counts one token (the
 worker's contract: one chunk per token) for the charge of a stream that is cut short.
 After `[DONE]` the rest of the upstream body is drained so its keep-alive connection is
-reused.
+reused; a byte of body after it is one nobody asked for, and drops the connection.
+
+The worker is untrusted input: its stream may take at most `max_bytes` in all (an event
+that never ends included), and the usage it reports is billed clamped (`plan.billed`)
+and forwarded as billed, so the client is told what it is charged.
 
 Recognising by bytes is sound because JSON escapes every quote inside a string: the key
 `"usage"` (quote, usage, quote) or `"choices"` cannot occur inside any text a model
@@ -18,10 +22,12 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
+
 from gateway.serving.flight import Attempt
-from gateway.serving.plan import note_usage
+from gateway.serving.plan import Plan, billed, counts, note_usage
 from workers.api.client import UpstreamError, UpstreamResponse
-from workers.api.types import parse_chunk
+from workers.api.types import Usage, parse_chunk
 
 DONE = b"data: [DONE]\n\n"
 _DECODE_IF = (b'"usage"', b'"error"')  # the only events whose content the relay reads
@@ -73,25 +79,42 @@ async def _next(
 async def relay(
     upstream: UpstreamResponse,
     attempt: Attempt,
-    client_wants_usage: bool,
-    deadline: float,
+    plan: Plan,
     idle_s: float,
+    max_bytes: int,
 ) -> AsyncIterator[bytes]:
     """Forward the upstream's SSE events, noting usage and progress in `attempt.served`.
 
     Ends after `[DONE]` or an error event. Raises UpstreamError when the worker dies
-    mid-stream, StreamTimeout when it goes silent or the deadline passes, StreamAborted when
-    the gateway cuts it; the caller
-    reports those in-band.
+    mid-stream or sends more than `max_bytes`, StreamTimeout when it goes silent or the
+    request's deadline passes, StreamAborted when the gateway cuts it; the caller reports
+    those in-band.
     """
     served = attempt.served
-    buffer = b""
+    pending: list[bytes] = []  # the pieces of an event not ended yet
+    received = 0
     it = upstream.aiter_raw()
-    while (piece := await _next(it, attempt, deadline, idle_s)) is not None:
-        buffer += piece
-        if b"\n\n" not in buffer:
+    while (piece := await _next(it, attempt, plan.deadline, idle_s)) is not None:
+        received += len(piece)
+        if received > max_bytes:
+            raise UpstreamError(f"the worker's stream went past {max_bytes} bytes")
+        if pending:
+            # Joined only once an event ends (in this piece, or across the boundary), so
+            # an event arriving in many pieces costs its length, not its length squared.
+            if b"\n\n" not in piece and not (piece[:1] == b"\n" and pending[-1][-1:] == b"\n"):
+                pending.append(piece)
+                continue
+            pending.append(piece)
+            buffer = b"".join(pending)
+            pending.clear()
+        elif b"\n\n" not in piece:
+            pending.append(piece)
             continue
-        *events, buffer = buffer.split(b"\n\n")
+        else:
+            buffer = piece
+        *events, rest = buffer.split(b"\n\n")
+        if rest:
+            pending.append(rest)
         out: list[bytes] = []
         finished = False
         for event in events:
@@ -115,12 +138,13 @@ async def relay(
                 continue
             chunk = parse_chunk(data)
             if chunk is not None:
+                if chunk.choices:
+                    served.tokens_relayed += 1
                 if chunk.usage is not None:
                     note_usage(served, chunk.usage)
-                    if not chunk.choices and not client_wants_usage:
+                    if not chunk.choices and not plan.wants_usage:
                         continue
-                elif chunk.choices:
-                    served.tokens_relayed += 1
+                    data = _as_billed(data, chunk.usage, plan, attempt)
                 if chunk.error is not None:
                     out.append(b"data: " + data + b"\n\n" + DONE)
                     finished = True
@@ -133,11 +157,24 @@ async def relay(
             return
 
 
+def _as_billed(data: bytes, reported: Usage, plan: Plan, attempt: Attempt) -> bytes:
+    """The usage event as the client is to see it: as sent, unless the worker claimed more
+    than the request could have produced; then with the usage it is billed."""
+    bill = billed(plan, attempt.served)
+    if counts(reported) == counts(bill):
+        return data
+    chunk = msgspec.json.decode(data)  # an object: parse_chunk decoded it
+    chunk["usage"] = bill
+    return msgspec.json.encode(chunk)
+
+
 async def _drain(it: AsyncIterator[bytes]) -> None:
-    """Read what is left (the chunked terminator) so the connection can be reused."""
+    """Read what is left (the chunked terminator) so the connection can be reused. Body
+    bytes there are unasked for: reading stops, so closing drops the connection."""
     try:
         async with asyncio.timeout(1.0):
-            async for _ in it:
-                pass
+            async for piece in it:
+                if piece:
+                    return
     except (UpstreamError, TimeoutError):
         pass

@@ -11,9 +11,16 @@ import msgspec
 from litestar import Response
 
 from gateway.capacity.admission import DeadlineExceeded
-from gateway.errors import deadline_error, to_api_error, upstream_error
+from gateway.errors import deadline_error, to_api_error
 from gateway.gateway import Gateway
-from gateway.serving.attempts import open_attempt, relayed_error
+from gateway.serving.attempts import (
+    MAX_ERROR_BYTES,
+    answer_bytes,
+    open_attempt,
+    read_answer,
+    refusal_error,
+    relayed_error,
+)
 from gateway.serving.flight import Attempt, Flight
 from gateway.serving.plan import charge, upstream_body
 from gateway.serving.relay import DONE, StreamAborted, StreamTimeout, relay
@@ -44,7 +51,7 @@ async def stream_response(
         return EventStream(_events_after(gw, flight, attempt, opening), headers=sse_headers)
     upstream = opening.result()  # a refusal raises: the caller answers with its status
     if upstream.status_code != 200:
-        return await relayed_error(upstream, headers)
+        return await relayed_error(upstream, flight.plan, headers)
     return EventStream(_relay_events(gw, flight, attempt, upstream), headers=sse_headers)
 
 
@@ -72,8 +79,15 @@ async def _events_after(
         yield _error_event(to_api_error(exc, gw.rng), flight)
         return
     if upstream.status_code != 200:
-        content = await upstream.aread()
-        yield _error_event(upstream_error(upstream.status_code, content), flight)
+        try:
+            content = await read_answer(upstream, flight.plan, MAX_ERROR_BYTES)
+        except DeadlineExceeded as exc:
+            yield _error_event(deadline_error(exc, flight.client_deadline, gw.rng), flight)
+            return
+        except UpstreamError as exc:
+            yield _error_event(to_api_error(exc, gw.rng), flight)
+            return
+        yield _error_event(refusal_error(upstream.status_code, content), flight)
         return
     async for event in _relay_events(gw, flight, attempt, upstream):
         yield event
@@ -92,9 +106,9 @@ async def _relay_events(
         async for event in relay(
             upstream,
             attempt,
-            plan.wants_usage,
-            plan.deadline,
+            plan,
             gw.config.stream_idle_timeout_s,
+            answer_bytes(gw, flight),
         ):
             yield event
             tokens = attempt.served.tokens_relayed

@@ -51,9 +51,10 @@ def test_sigstopped_replica_streams_and_completions_move_to_the_other(redis_url,
     """Two replicas, one a fake-backend process. A non-streaming request is held on it
     (token delay) and the process is SIGSTOPped; a stream whose prefix prefers it is sent
     at once. The stream gets no status within first_byte_timeout_s and is retried on the
-    other replica, which marks the stopped one unreachable; the held completion is retried
-    then (or when the load poller marks it, its /load timing out after 1 s: whichever is
-    first; the poller-only path is the hung variant below). Which replica each try went to is
+    other replica; the held completion is retried once the stopped one is unreachable (the
+    first-byte timeout, or the load poller, its /load timing out after 1 s) and has been
+    silent for worker_lost_after_s (1 s here: no poll answer, no byte on any connection;
+    the poller-only path is the hung variant below). Which replica each try went to is
     recorded by wrapping the gateway's worker client, so the test proves both really went
     to the stopped one first. Later requests all go to the live replica at once."""
     first_byte_s = 0.5
@@ -62,7 +63,10 @@ def test_sigstopped_replica_streams_and_completions_move_to_the_other(redis_url,
         backend_proc(log_path=tmp_path / "backend.log") as (stopped_url, proc),
         serving(other) as other_url,
         gateway_over(
-            redis_url, {"small": [stopped_url, other_url]}, first_byte_timeout_s=first_byte_s
+            redis_url,
+            {"small": [stopped_url, other_url]},
+            first_byte_timeout_s=first_byte_s,
+            worker_lost_after_s=1.0,
         ) as s,
     ):
         views = s.gateway.pools["small"].views

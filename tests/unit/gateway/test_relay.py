@@ -9,6 +9,7 @@ import pytest
 
 from gateway.serving import relay as relay_mod
 from gateway.serving.flight import Attempt
+from gateway.serving.plan import Plan
 from gateway.serving.relay import relay
 
 
@@ -43,14 +44,32 @@ USAGE = event(
 DONE = b"data: [DONE]\n\n"
 
 
-def run(pieces: list[bytes], wants_usage: bool) -> tuple[bytes, Attempt]:
+def make_plan(wants_usage: bool, **fields) -> Plan:
+    base = dict(
+        request_id="gw-1",
+        tenant_id="acme",
+        pool="small",
+        route="forced",
+        chat=False,
+        stream=True,
+        wants_usage=wants_usage,
+        client_logprobs=False,
+        prompt_tokens=5,
+        max_tokens=16,
+        deadline=time.monotonic() + 5,
+        affinity=None,
+    )
+    return Plan(**{**base, **fields})
+
+
+def run(
+    pieces: list[bytes], wants_usage: bool, max_bytes: int = 1 << 20, **plan
+) -> tuple[bytes, Attempt]:
     attempt = Attempt(lease=None)
 
     async def go() -> bytes:
-        out = [
-            b async for b in relay(Upstream(pieces), attempt, wants_usage, time.monotonic() + 5, 5)
-        ]
-        return b"".join(out)
+        stream = relay(Upstream(pieces), attempt, make_plan(wants_usage, **plan), 5, max_bytes)
+        return b"".join([b async for b in stream])
 
     return asyncio.run(go()), attempt
 
