@@ -95,6 +95,14 @@ class _Step:
             self.budget += cost
 
 
+def _running_only(lanes: dict[str | None, deque[Request]]) -> dict[str | None, deque[Request]]:
+    """The lanes without their waiting requests (once admissions stop for the step)."""
+    kept = {
+        t: deque(r for r in lane if r.status is RequestStatus.RUNNING) for t, lane in lanes.items()
+    }
+    return {t: lane for t, lane in kept.items() if lane}
+
+
 class TenantService:
     """Tokens of work each tenant was served lately (prefill chunks at their budget cost,
     decodes at one), decaying by half every `half_life_steps` steps. Tenants whose count has
@@ -159,21 +167,24 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.step_count += 1
         out = SchedulerOutput()
-        self._expire_waiting(out)
+        waiting = self._waiting_order()
+        self._expire(waiting, out)
         step = _Step(self.config.max_num_batched_tokens)
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         for req in decodes:
             self._schedule_running(req, step, out)
         # Prefill chunks: one at a time to the tenant served least (lately, plus what it has
         # been given this step), the head of its lane. A lane is the tenant's running
-        # prefills, then its waiting requests in priority order.
+        # prefills, then its waiting requests in priority order. A step that preempted
+        # admits nothing.
         lanes: dict[str | None, deque[Request]] = {}
         for req in self.running:
             if req.num_tokens - req.num_computed_tokens > 1:
                 lanes.setdefault(req.tenant, deque()).append(req)
-        for req in self._waiting_order():
-            lanes.setdefault(req.tenant, deque()).append(req)
-        admitting = True
+        admitting = not out.preempted
+        for req in waiting if admitting else ():
+            if not req.is_finished:
+                lanes.setdefault(req.tenant, deque()).append(req)
         while step.budget > 0 and lanes:
             tenant = min(lanes, key=lambda t: self._lane_key(lanes, t, step))
             lane = lanes[tenant]
@@ -182,10 +193,14 @@ class Scheduler:
                 del lanes[tenant]
             if req.status is RequestStatus.RUNNING:
                 self._schedule_running(req, step, out)
-            elif admitting and not out.preempted:
+                stop = bool(out.preempted)
+            else:
                 # Strict order: a head that finds no seat or no KV stops admissions this
                 # step rather than being bypassed (running prefills still go on).
-                admitting = self._admit(req, step)
+                stop = not self._admit(req, step)
+            if stop and admitting:
+                admitting = False
+                lanes = _running_only(lanes)
         for tenant, tokens in step.given.items():
             self.service.charge(tenant, tokens, self.step_count)
         self.service.forget_idle(self.step_count)
@@ -215,12 +230,12 @@ class Scheduler:
             key=lambda r: effective_priority(r, self.step_count, self.config.aging_steps),
         )
 
-    def _expire_waiting(self, out: SchedulerOutput) -> None:
+    def _expire(self, waiting: list[Request], out: SchedulerOutput) -> None:
         # Only never-admitted requests expire: a preempted one has already streamed tokens.
         now = self.clock()
         out.expired = [
             r
-            for r in self._waiting_order()
+            for r in waiting
             if r.deadline is not None and r.first_scheduled_time is None and now > r.deadline
         ]
         for req in out.expired:
