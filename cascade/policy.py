@@ -101,7 +101,7 @@ class RoutingSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     version: Annotated[int, Meta(ge=0)] = 0
 
 
-# The per-tenant (or per-key) maps, whose entries the error's path names.
+# The per-tenant (or per-key) maps, which a PATCH merges entry by entry (merge_settings).
 _MAP_FIELDS = (
     "tenant_thresholds",
     "key_thresholds",
