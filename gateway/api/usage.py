@@ -132,10 +132,11 @@ def csv_cell(value: Any) -> Any:
 
 def to_csv(rows: list[dict], group_by: str) -> str:
     """The rows as CSV, every cell through `csv_cell` (ids, model and key names included).
-    Text is always quoted, so a CR or newline in a name cannot start a row of its own."""
+    Text in the rows is always quoted, so a CR or newline in a name cannot start a row of its
+    own; the header (our own column names, from GROUPS and CSV_COLUMNS) is plain."""
     out = io.StringIO()
+    out.write(",".join(("tenant_id", group_by, *CSV_COLUMNS)) + "\n")
     writer = csv.writer(out, lineterminator="\n", quoting=csv.QUOTE_NONNUMERIC)
-    writer.writerow(("tenant_id", group_by, *CSV_COLUMNS))
     for row in rows:
         cells = (row["tenant_id"], row[group_by], *(row[c] for c in CSV_COLUMNS))
         writer.writerow(tuple(csv_cell(c) for c in cells))
