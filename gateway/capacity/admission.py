@@ -358,7 +358,10 @@ class AdmissionController:
         self._waiters: dict[str, _Waiter] = {}
         self._num_unclaimed = 0  # dispatched tickets whose task has not resumed yet
         self._num_dispatched = 0  # dispatched and not yet released
-        self._by_tenant: dict[str, int] = {}  # dispatched and not yet released, per tenant
+        # Per tenant, dispatched and not yet released: requests, and their cost tokens.
+        self._by_tenant: dict[str, int] = {}
+        self._tokens_of: dict[str, int] = {}
+        self._num_tokens_dispatched = 0
         self._last_seen: dict[str, float] = {}  # tenant -> its last arrival (queue clock)
 
     @property
@@ -397,7 +400,7 @@ class AdmissionController:
             and self._has_room()
             and self._may_take(ticket.tenant_id)
         ):
-            self._taken(ticket.tenant_id)
+            self._taken(ticket)
             return None
         for pushed_out in self._queue.push(ticket):
             self._fail(pushed_out, self._queue.full_error("requests"))
@@ -422,28 +425,40 @@ class AdmissionController:
             self.abandon(ticket, future)
             raise
         self._num_unclaimed -= 1
-        self._taken(ticket.tenant_id)
+        self._taken(ticket)
         # Runs after this task's current step, i.e. after the caller took its capacity.
         asyncio.get_running_loop().call_soon(self._dispatch)
 
-    def release(self, tenant_id: str) -> None:
-        """A dispatched request of `tenant_id` finished (its capacity is back): dispatch
-        what fits."""
+    def release(self, ticket: Ticket) -> None:
+        """A dispatched request finished (its capacity is back): dispatch what fits."""
         self._num_dispatched = max(0, self._num_dispatched - 1)
+        tenant_id = ticket.tenant_id
         held = self._by_tenant.get(tenant_id, 0) - 1
+        tokens = self._tokens_of.get(tenant_id, 0) - ticket.cost_tokens
         if held > 0:
             self._by_tenant[tenant_id] = held
+            self._tokens_of[tenant_id] = max(0, tokens)
         else:
             self._by_tenant.pop(tenant_id, None)
+            self._tokens_of.pop(tenant_id, None)
+        self._num_tokens_dispatched = max(0, self._num_tokens_dispatched - ticket.cost_tokens)
         self._dispatch()
 
     def dispatched_of(self, tenant_id: str) -> int:
         """The tenant's requests dispatched and not yet released."""
         return self._by_tenant.get(tenant_id, 0)
 
-    def _taken(self, tenant_id: str) -> None:
+    def dispatched_tokens_of(self, tenant_id: str) -> int:
+        """The cost tokens (prompt + max_tokens) of the tenant's requests dispatched and not
+        yet released: the work it has on the workers."""
+        return self._tokens_of.get(tenant_id, 0)
+
+    def _taken(self, ticket: Ticket) -> None:
+        tenant_id = ticket.tenant_id
         self._num_dispatched += 1
         self._by_tenant[tenant_id] = self._by_tenant.get(tenant_id, 0) + 1
+        self._tokens_of[tenant_id] = self._tokens_of.get(tenant_id, 0) + ticket.cost_tokens
+        self._num_tokens_dispatched += ticket.cost_tokens
 
     def _may_take(self, tenant_id: str) -> bool:
         """Whether a request of `tenant_id` may take a slot now: always while more than the
@@ -455,12 +470,19 @@ class AdmissionController:
         the slots and the active tenants, so that a dispatch visiting every tenant in the
         queue costs one pass over them, not one per visit. The active tenants are counted
         only when a share is asked for: with more than the reserve free (the usual case
-        on a request's path) nobody needs them."""
+        on a request's path) nobody needs them.
+
+        A tenant's share is of two things, and it is under it only when under in both: the
+        slots (it holds fewer than total / active tenants) and the work on the workers, in
+        cost tokens (prompt + max_tokens; it holds at most the active tenants' average). So
+        a tenant with a few long prompts in flight does not count as light beside one with
+        many short requests, and a tenant of many tiny requests cannot take every slot."""
         if self._slots is None:
             return (lambda _: False), (lambda _: True)
         free, total = self._slots()
         reserve = math.ceil(total * self._queue.config.reserve_fraction)
-        held = self._by_tenant
+        held, tokens_of = self._by_tenant, self._tokens_of
+        tokens_held = self._num_tokens_dispatched
         active: set[str] | None = None
 
         def under(tenant_id: str) -> bool:
@@ -468,7 +490,12 @@ class AdmissionController:
             if active is None:
                 active = self._active_tenants()
             num_active = len(active) + (tenant_id not in active)
-            return num_active <= 1 or held.get(tenant_id, 0) < total / num_active
+            if num_active <= 1:
+                return True
+            return (
+                held.get(tenant_id, 0) * num_active < total
+                and tokens_of.get(tenant_id, 0) * num_active <= tokens_held
+            )
 
         def may_take(tenant_id: str) -> bool:
             return free > reserve or under(tenant_id)

@@ -73,7 +73,7 @@ class Lease:
                 self._state = "released"  # the controller already took the ticket out
                 raise
             if self._state == "released":  # released by its owner while the turn came
-                self.pool.controller.release(self.ticket.tenant_id)
+                self.pool.controller.release(self.ticket)
                 raise asyncio.CancelledError
             self._grant()
         if self._state != "granted":
@@ -120,5 +120,5 @@ class Lease:
                 self.worker = None
             if served:
                 self.pool.record_completion(self.pool.clock() - self._granted_at)
-            self.pool.controller.release(self.ticket.tenant_id)
+            self.pool.controller.release(self.ticket)
         # "waiting": the cancelled wait already left the queue; "new"/"released": nothing.

@@ -93,7 +93,7 @@ async def serve(
         for _ in range(hold):
             await asyncio.sleep(0)
     pool.give_back()
-    ctl.release(ticket.tenant_id)
+    ctl.release(ticket)
 
 
 def make_reserving_controller(capacity: int, **config: float) -> tuple[AdmissionController, Pool]:

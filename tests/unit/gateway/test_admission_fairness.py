@@ -95,6 +95,44 @@ def test_over_its_share_a_tenant_still_gets_its_fair_share_of_slots() -> None:
     run(main())
 
 
+def test_the_share_counts_work_in_flight_so_long_prompts_make_a_tenant_heavy() -> None:
+    """Each tenant holds 3 of 8 slots, so by requests both are under their share of 4; but
+    the heavy tenant's 3 hold 6,000 tokens of work against the light one's 150. With only
+    the reserve left, the light tenant's next request goes first, though the heavy one's
+    was queued before it."""
+
+    async def main() -> None:
+        ctl, pool = make_reserving_controller(8, reserve_fraction=0.25)  # reserve: 2 slots
+        order: list[str] = []
+        hold = asyncio.Event()
+
+        def request(request_id: str, cost_tokens: int) -> asyncio.Task:
+            ticket = make_ticket(request_id, cost_tokens=cost_tokens)
+            return asyncio.create_task(serve(ctl, pool, ticket, order, hold))
+
+        tasks = [request(f"h{i}", 2000) for i in range(3)]
+        tasks += [request(f"l{i}", 50) for i in range(3)]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert pool.inflight == 6 and ctl.dispatched_of("h") == ctl.dispatched_of("l") == 3
+        assert ctl.dispatched_tokens_of("h") == 6000 and ctl.dispatched_tokens_of("l") == 150
+        tasks.append(request("h3", 50))  # queued first, as cheap as the light one's
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert order[-1] == "l2" and ctl.num_waiting == 1  # only the reserve is left
+        tasks.append(request("l3", 50))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert order[-1] == "l3"
+        assert ctl.dispatched_of("h") == 3 and ctl.num_waiting == 1
+        hold.set()
+        await asyncio.gather(*tasks)
+        assert len(order) == 8
+        assert ctl.dispatched_tokens_of("h") == ctl.dispatched_tokens_of("l") == 0
+
+    run(main())
+
+
 def test_a_request_that_waits_past_the_queues_max_wait_is_refused_from_the_queue() -> None:
     async def main() -> None:
         ctl, pool = make_controller(capacity=1, max_wait_s=0.05)
