@@ -214,7 +214,13 @@ async def prepare(
             code="model_not_allowed",
         )
     vocab_size, model_len = gw.pools[pool].model_limits()
-    check_request(req, cfg.request_limits, vocab_size=vocab_size, max_model_len=model_len)
+    check_request(
+        req,
+        cfg.request_limits,
+        vocab_size=vocab_size,
+        max_model_len=model_len,
+        default_max_tokens=cfg.default_max_tokens,  # what the worker will be sent
+    )
     limits = (tenant.limits.max_context, key_max_context)
     own_limit = min((limit for limit in limits if limit is not None), default=None)
     room = prompt_room(max_tokens, own_limit, model_len)

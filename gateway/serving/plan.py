@@ -5,8 +5,8 @@ router, Redis) are called by `gateway.serving.intake`, which feeds their answers
 Fields a tenant sends that are the operator's are overridden in `upstream_body`:
 `priority` (0: tenants cannot jump the worker's queue or pick preemption victims),
 `cache_salt` (the tenant's own prefix-cache namespace) and `ignore_eos` (off). Every
-other field of the OpenAI request structs in `workers.api.types` passes through; unknown
-fields are dropped.
+other field of the OpenAI request structs in `workers.api.types` passes through; a field
+they do not have is refused at decoding (400 `unknown_field`), never dropped.
 """
 
 import math
