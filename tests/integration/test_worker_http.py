@@ -284,6 +284,40 @@ def test_ready_turns_503_when_the_engine_loop_stalls(demo_dir):
         t.join(10)
 
 
+def test_a_step_that_is_slow_but_computing_is_not_a_stall(demo_dir):
+    """The engine thread spends 4 stall timeouts inside one step, using CPU all along (as
+    a step does when several engines share the cores): the worker stays ready, and says
+    so in /ready and /load throughout; the request then completes."""
+    import threading
+
+    with running_worker(demo_dir, stall_timeout_s=0.5) as w:
+        runner = w.engine.runner
+        original = runner.execute
+        spinning, stop = threading.Event(), threading.Event()
+
+        def slow(*args, **kwargs):
+            runner.execute = original
+            spinning.set()
+            n = 0
+            while not stop.is_set():  # pure computation on the engine thread
+                n += 1
+            return original(*args, **kwargs)
+
+        runner.execute = slow
+        try:
+            t = _send_async(w.url, greedy_body())
+            assert spinning.wait(10)
+            states: set[str] = set()
+            while time.monotonic() - w.service.engine.heartbeat[0] < 2.0:  # 4 timeouts
+                states.add(load(w.url)["state"])
+                assert httpx.get(f"{w.url}/ready").status_code == 200
+        finally:
+            stop.set()
+        assert states == {"ready"}
+        t.join(10)
+        assert load(w.url)["state"] == "ready"
+
+
 def test_drain_refuses_new_work_finishes_resident_and_exits(demo_dir):
     with running_worker(demo_dir) as w:
         body = greedy_body(max_tokens=60, stream=True)

@@ -49,6 +49,9 @@ class AsyncEngine:
         self._adding: list[Request] = []
         # Built here before the thread starts; afterwards only the engine thread swaps it.
         self._stats = engine.stats(time.monotonic())
+        # (wall clock, engine thread CPU seconds) at the last publish: where a watcher's
+        # window starts when it has no older reading of its own.
+        self.heartbeat: tuple[float, float] = (self._stats.time_s, 0.0)
         engine.on_scheduled = self._publish
 
     @property
@@ -59,6 +62,20 @@ class AsyncEngine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
             self._thread.start()
+
+    def thread_cpu_s(self) -> float | None:
+        """CPU seconds the engine thread has used (user + system), read from outside it:
+        a thread blocked (on a lock, a queue, I/O) does not advance it, a thread computing
+        a slow step does, however many processes share its cores. None: no thread, or no
+        per-thread CPU clock on this platform."""
+        thread = self._thread
+        ident = thread.ident if thread is not None and thread.is_alive() else None
+        if ident is None:
+            return None
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(ident))
+        except (AttributeError, OSError):  # not POSIX, or the thread just ended
+            return None
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         self._stop = True
@@ -187,6 +204,7 @@ class AsyncEngine:
         """Swap in a fresh snapshot (engine thread only); `added`: it now holds what was
         taken from the inbox, so arrivals stop counting those in the same lock."""
         stats = self.engine.stats(time.monotonic())
+        self.heartbeat = (stats.time_s, time.thread_time())
         if added:
             with self._lock:
                 self._stats = stats

@@ -17,7 +17,10 @@ class WorkerConfig:
     max_waiting_prompt_tokens: int = 65536
     retry_after_s: float = 1.0  # base of Retry-After on 503; jitter is added
     retry_after_jitter_s: float = 2.0
-    stall_timeout_s: float = 5.0  # no engine step for this long with work resident = stalled
+    # With work resident, no engine step for this long is a slow step while the engine
+    # thread uses CPU, a stall when it does not (blocked: workers/server/stall.py) ...
+    stall_timeout_s: float = 5.0
+    stall_hard_timeout_s: float = 120.0  # ... and a stall past this, CPU or not
     sse_heartbeat_s: float = 5.0  # SSE comment while a stream waits for its first token
     default_max_tokens: int = 256
     exit_when_drained: bool = False

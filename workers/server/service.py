@@ -15,6 +15,7 @@ from workers.server.admission import backlog
 from workers.server.config import WorkerConfig
 from workers.server.logprobs import TokenTexts
 from workers.server.metrics import WorkerMetrics
+from workers.server.stall import StallWatch
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class WorkerService:
         self.on_engine_failure: Callable[[], None] | None = None
         self._max_chars_per_token: int | None = None
         self._token_texts: TokenTexts | None = None
+        self._stall_watch = StallWatch(config.stall_timeout_s, config.stall_hard_timeout_s)
+        self._progress = "ok"  # the watch's last verdict, for logging its changes
         if engine is not None:
             engine.add_death_callback(self._engine_died)
 
@@ -95,11 +98,26 @@ class WorkerService:
             return "draining"
         if engine.error is not None:
             return "stalled"
-        # Both from the snapshot the engine thread published (its heartbeat is `time_s`).
-        busy = not engine.is_idle()
-        if busy and self.clock() - engine.stats.time_s > self.config.stall_timeout_s:
-            return "stalled"
-        return "ready"
+        if engine.is_idle():  # as of the snapshot the engine thread published
+            return "ready"
+        progress = self._stall_watch.observe(self.clock(), engine.heartbeat, engine.thread_cpu_s())
+        if progress != self._progress:
+            self._progress_changed(progress, engine)
+        return "stalled" if progress == "stalled" else "ready"
+
+    def _progress_changed(self, progress: str, engine: AsyncEngine) -> None:
+        silent_s = self.clock() - engine.heartbeat[0]
+        if progress == "slow":
+            log.warning(
+                "engine step running %.1f s, its thread using CPU: slow (cores shared?), "
+                "not stalled",
+                silent_s,
+            )
+        elif progress == "stalled":
+            log.error("engine made no progress for %.1f s: stalled", silent_s)
+        elif self._progress != "ok":
+            log.info("engine stepping again (%s before)", self._progress)
+        self._progress = progress
 
     def refuse(self, message: str, reason: str, code: str = "server_overloaded") -> ApiError:
         self.metrics.rejected.labels(self.metrics.model, reason).inc()
