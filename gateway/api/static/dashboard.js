@@ -24,9 +24,26 @@ function svg(tag, attrs, text) {
 
 function fmt(n) {
   if (n === null || n === undefined) return "-";
-  if (n >= 1e6) return (n / 1e6).toFixed(1) + "M";
-  if (n >= 1e4) return (n / 1e3).toFixed(1) + "k";
+  const a = Math.abs(n);
+  if (a >= 1e9) return (n / 1e9).toFixed(1) + "G";
+  if (a >= 1e6) return (n / 1e6).toFixed(1) + "M";
+  if (a >= 1e4) return (n / 1e3).toFixed(1) + "k";
   return String(Math.round(n * 100) / 100);
+}
+
+// A label cut to `width` (SVG user units) with an ellipsis; the whole of it goes in a <title>.
+// Measured once the chart is in the page; before that (a hidden page) nothing is cut.
+function fitLabel(text, width) {
+  const full = text.textContent;
+  if (text.getComputedTextLength() <= width) return;
+  let lo = 0, hi = full.length - 1; // the longest prefix that fits with the ellipsis
+  while (lo < hi) {
+    const mid = Math.ceil((lo + hi) / 2);
+    text.textContent = full.slice(0, mid) + "\u2026";
+    if (text.getComputedTextLength() <= width) lo = mid; else hi = mid - 1;
+  }
+  text.textContent = full.slice(0, lo) + "\u2026";
+  text.append(svg("title", {}, full));
 }
 
 async function api(path) {
@@ -40,9 +57,11 @@ async function api(path) {
 
 function stackedBars(target, labels, series, colors) {
   // series: [{name, values}] stacked per label.
-  const W = 460, H = 200, L = 44, B = 28, T = 8;
   const totals = labels.map((_, i) => series.reduce((s, x) => s + x.values[i], 0));
   const max = Math.max(1, ...totals);
+  // The left margin holds the longest axis label (7 units a character at 11px is generous).
+  const W = 460, H = 200, B = 28, T = 8;
+  const L = 10 + 7 * Math.max(...[0, 1, 2, 3, 4].map((g) => fmt(max * g / 4).length));
   const bw = (W - L - 8) / Math.max(1, labels.length);
   const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, width: "100%", role: "img",
                             "data-bars": String(totals.filter((t) => t > 0).length) });
@@ -51,6 +70,7 @@ function stackedBars(target, labels, series, colors) {
     root.append(svg("line", { x1: L, x2: W, y1: y, y2: y, stroke: "#e3e6ee" }));
     root.append(svg("text", { x: L - 4, y: y + 4, "text-anchor": "end" }, fmt(max * g / 4)));
   }
+  const xLabels = [];
   labels.forEach((label, i) => {
     let y = H - B;
     series.forEach((s, k) => {
@@ -64,16 +84,21 @@ function stackedBars(target, labels, series, colors) {
       }
     });
     if (labels.length <= 8 || i % 2 === (labels.length - 1) % 2) {
-      root.append(svg("text", { x: L + i * bw + bw / 2, y: H - 10, "text-anchor": "middle" },
-                      label));
+      const text = svg("text", { x: L + i * bw + bw / 2, y: H - 10, "text-anchor": "middle" },
+                       label);
+      xLabels.push(text);
+      root.append(text);
     }
   });
+  // Every other label shows when there are many: each may take two bars' width.
+  const room = (labels.length <= 8 ? bw : 2 * bw) - 4;
   const legend = el("div", { class: "legend" });
   series.forEach((s, k) => {
     const sw = el("b"); sw.style.background = colors[k];
     legend.append(sw, s.name);
   });
   target.replaceChildren(root, legend);
+  for (const text of xLabels) fitLabel(text, room);
 }
 
 const COLORS = ["#2f6fed", "#f29d38", "#2e9d5b"];
@@ -99,11 +124,14 @@ function modelChart(rows) {
 
 // -- tables --------------------------------------------------------------------------------
 
-function table(target, headers, rows, numeric) {
+// kinds: a class per column: "num" (right-aligned, never wraps), "name" (an id or name: wraps
+// anywhere, so a long one cannot widen its card), "time" (never wraps) or "".
+function table(target, headers, rows, kinds) {
+  const cls = (i) => (kinds[i] ? { class: kinds[i] } : {});
   const head = el("tr", {}, ...headers.map((h, i) =>
-    el("th", numeric && numeric[i] ? { class: "num" } : {}, h)));
+    el("th", kinds[i] === "num" ? { class: "num" } : {}, h)));
   const body = rows.map((r) => el("tr", {}, ...r.map((c, i) =>
-    el("td", numeric && numeric[i] ? { class: "num" } : {}, c instanceof Node ? c : String(c)))));
+    el("td", cls(i), c instanceof Node ? c : String(c)))));
   target.replaceChildren(head, ...body);
 }
 
@@ -123,11 +151,11 @@ function limits(doc) {
     if (share > 0.8) bar.classList.add("high");
     meter.append(bar);
     const remaining = limit == null ? "unlimited" : used == null ? "-" : fmt(limit - used);
-    return [name, limit == null ? "none" : fmt(limit), used == null ? "-" : fmt(used),
-            remaining, meter];
+    // The bar sits under the limit's name: a column of its own would not fit a phone.
+    return [used == null ? name : el("div", {}, name, meter), limit == null ? "none" : fmt(limit),
+            used == null ? "-" : fmt(used), remaining];
   });
-  table($("limits"), ["limit", "value", "used", "remaining", ""], rows,
-        [false, true, true, true, false]);
+  table($("limits"), ["limit", "value", "used", "remaining"], rows, ["", "num", "num", "num"]);
 }
 
 function recent(lines) {
@@ -136,15 +164,16 @@ function recent(lines) {
         lines.map((r) => [new Date(r.time * 1000).toISOString().slice(5, 19).replace("T", " "),
                           r.model, r.route, r.status, r.prompt_tokens, r.cached_tokens,
                           r.completion_tokens, r.latency_ms, r.key_id]),
-        [false, false, false, true, true, true, true, true, false]);
+        ["time", "name", "name", "num", "num", "num", "num", "num", "name"]);
 }
 
 function fleet(doc) {
-  const s = (v) => (v == null ? "-" : (v * 1000).toFixed(0) + " ms");
+  const s = (v) => (v == null ? "-" : v < 1 ? (v * 1000).toFixed(0) + " ms"
+    : v.toFixed(v < 10 ? 2 : 1) + " s");
   table($("fleet"), ["pool", "queue", "TTFT p50", "TTFT p99", "tokens/s", "replicas ready"],
-        Object.entries(doc).map(([name, p]) => [name, p.waiting, s(p.ttft_p50_s),
+        Object.entries(doc).map(([name, p]) => [name, fmt(p.waiting), s(p.ttft_p50_s),
           s(p.ttft_p99_s), fmt(p.tokens_per_s), `${p.ready_replicas} / ${p.workers.length}`]),
-        [false, true, true, true, true, true]);
+        ["name", "num", "num", "num", "num", "num"]);
 }
 
 // -- loading -------------------------------------------------------------------------------
