@@ -10,7 +10,8 @@ the client never waits for anything here.
   the other pool has nothing queued and a free slot (it never waits behind real
   requests, and it asks the worker for a lower priority than any tenant's), within the
   operator's `shadow_tokens_per_minute` across all replicas (a Redis counter per
-  minute), and it is never charged to the tenant. The tenant's judge compares the two
+  minute, shared fairly among the tenants asking: `shadow_budget.py`), and it is never
+  charged to the tenant. The tenant's judge compares the two
   answers and the label goes to the tenant's stream.
 - `on_escalation`: an escalated request already has both answers: the judge labels it.
 """
@@ -30,6 +31,7 @@ from cascade.policy import LearningSettings, learning_for
 from gateway.capacity.admission import DeadlineExceeded, QueueFull, Ticket
 from gateway.capacity.lease import Lease, NoReplica
 from gateway.learning.label_store import LabelStore, RequestRecord
+from gateway.learning.shadow_budget import ShadowBudget
 from gateway.serving.dispatch import send_attempt
 from gateway.serving.plan import GatewayChatRequest, Plan, PublicRequest, upstream_body
 from workers.api.client import UpstreamError
@@ -42,7 +44,6 @@ log = logging.getLogger(__name__)
 SHADOW_PRIORITY = 100  # workers admit lower numbers first and preempt higher ones first
 SHADOW_TIMEOUT_S = 60.0
 JUDGE_TIMEOUT_S = 10.0
-BUDGET_KEY = "sy:shadow:budget:"  # + the minute; INCRBY, expires after two minutes
 
 
 class LearningMetrics:
@@ -87,9 +88,14 @@ class Learner:
     """The hooks above, over the label store; one per gateway process."""
 
     def __init__(
-        self, store: LabelStore, registry: CollectorRegistry, rng: random.Random | None = None
+        self,
+        store: LabelStore,
+        registry: CollectorRegistry,
+        rng: random.Random | None = None,
+        budget: ShadowBudget | None = None,  # None: no shadow runs
     ) -> None:
         self.store = store
+        self.budget = budget
         self.metrics = LearningMetrics(registry)
         self.rng = rng or random.Random()
 
@@ -180,19 +186,6 @@ class Learner:
         except Exception:
             log.exception("recording a routing label failed")
 
-    async def _take_budget(self, gw: "Gateway", tokens: int) -> bool:
-        """Charge `tokens` to the operator's shadow budget of this minute, if it has room."""
-        limit = gw.router.settings.shadow_tokens_per_minute
-        key = BUDGET_KEY + str(int(time.time() // 60))
-        async with gw.redis.pipeline(transaction=True) as pipe:
-            pipe.incrby(key, tokens)
-            pipe.expire(key, 120)
-            used, _ = await pipe.execute()
-        if used > limit:
-            await gw.redis.decrby(key, tokens)
-            return False
-        return True
-
     async def _shadow(
         self,
         gw: "Gateway",
@@ -207,7 +200,11 @@ class Learner:
         if len(pool.queue) or not pool.has_room():
             self.metrics.shadow.labels("busy").inc()
             return
-        if not await self._take_budget(gw, plan.attempt_tokens):
+        limit = router.settings.shadow_tokens_per_minute
+        tokens = plan.attempt_tokens
+        if self.budget is None or not await self.budget.take(
+            plan.tenant_id, tokens, limit, time.time()
+        ):
             self.metrics.shadow.labels("budget").inc()
             return
         now = time.monotonic()

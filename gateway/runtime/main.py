@@ -22,6 +22,7 @@ from gateway.learning.classifiers import ClassifierRegistry
 from gateway.learning.label_store import LabelStore
 from gateway.learning.learner import Learner
 from gateway.learning.router import Router, RoutingMetrics
+from gateway.learning.shadow_budget import ShadowBudget
 from gateway.metrics import GatewayMetrics, TenantLabels
 from gateway.runtime.embedded_redis import EmbeddedRedis
 from gateway.runtime.group import MemberSpec, serve_processes
@@ -79,7 +80,7 @@ def build_gateway(
     router = learner = None
     if config.cascade_small_pool and config.cascade_large_pool:
         router = _build_router(config, redis, registry, pools)
-        learner = Learner(LabelStore(redis), registry, rng)
+        learner = Learner(LabelStore(redis), registry, rng, budget=ShadowBudget(redis))
     # This process is one quota owner: reservations are indexed under its id, its journal
     # keeps the settlements Redis missed, and its maintenance task settles them (and those
     # of dead gateways) once Redis answers.

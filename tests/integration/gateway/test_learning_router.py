@@ -260,3 +260,54 @@ def _sample(metrics: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+def _shadow_outcomes(gw) -> float:  # noqa: ANN001
+    return sum(
+        gw.registry.get_sample_value("switchyard_cascade_shadow_runs_total", {"outcome": o}) or 0
+        for o in ("run", "busy", "budget", "failed")
+    )
+
+
+def _num_labels(s: Stack, tenant: str) -> int:
+    with s.admin() as a:
+        return a.get(f"/admin/routing/labels/{tenant}", params={"split": "all"}).json()[
+            "num_labels"
+        ]
+
+
+def test_one_tenant_cannot_spend_the_whole_shadow_budget(redis_url):
+    """Budget for ten shadow runs a minute; one tenant sends four requests for each of the
+    other's. Before the budget was shared, the heavy one got eight of the ten and the light
+    one two."""
+    from tests.integration.gateway.conftest import gateway_stack
+
+    with gateway_stack(redis_url, cascade_small_pool="small", cascade_large_pool="large") as s:
+        keys = {t: s.tenant(t) for t in ("heavy", "light")}
+        body = {"model": "auto", "prompt": [5, 6, 7, 8], "max_tokens": 6}  # 10 tokens a run
+        learning = {"shadow_fraction": 1.0, "judge": "exact"}
+        settings = {
+            "learning": {"heavy": learning, "light": learning},
+            "shadow_tokens_per_minute": 10 * 10,
+        }
+        with s.admin() as a:
+            assert a.put("/admin/routing", json=settings).status_code == 200
+        assert _eventually(lambda: s.gateway.router.settings.shadow_tokens_per_minute == 100)
+        clients = {t: s.client(k) for t, k in keys.items()}
+        try:
+            order = [("heavy", "heavy", "heavy", "heavy", "light")[i % 5] for i in range(50)]
+            for i, tenant in enumerate(order):
+                assert clients[tenant].post("/v1/completions", json=body).status_code == 200
+                # one shadow decision per request, in request order
+                assert _eventually(lambda n=i + 1: _shadow_outcomes(s.gateway) >= n)
+        finally:
+            for c in clients.values():
+                c.close()
+        runs = s.gateway.registry.get_sample_value(
+            "switchyard_cascade_shadow_runs_total", {"outcome": "run"}
+        )
+        assert _eventually(lambda: _num_labels(s, "heavy") + _num_labels(s, "light") == runs)
+        heavy, light = _num_labels(s, "heavy"), _num_labels(s, "light")
+        print(f"shadow labels: heavy {heavy}, light {light}")
+        # Within one minute 5 and 5; should the minute turn, each gets at most 5 in the next.
+        assert light >= 5 and heavy <= 10, (heavy, light)
