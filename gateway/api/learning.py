@@ -101,22 +101,34 @@ def _stage(change: ClassifierChange, data_dir: Path) -> dict[str, bytes]:
 
 def learning_routes(gw: Gateway) -> list:
     @post("/v1/feedback", status_code=200)
-    async def feedback(request: Request) -> dict[str, Any]:
+    async def feedback(request: Request) -> Response:
+        """A request takes one feedback: the first is recorded; a repeat of it (the same
+        outcome and score: a retry) gets the same 200 and records nothing; a different one
+        is a 409 `feedback_exists` that says what was recorded."""
         tenant = await authenticate(gw, request)
         raw = await read_body(request, gw.config.body_timeout_s)
         body = decode_struct(raw, Feedback, max_depth=_MAX_JSON_DEPTH)
         _, learner = _learner(gw)
-        found = await learner.feedback(
-            gw, tenant.tenant_id, body.request_id, body.outcome == "ok", body.score
-        )
-        if not found:
+        ok = body.outcome == "ok"
+        recorded = await learner.feedback(gw, tenant.tenant_id, body.request_id, ok, body.score)
+        if recorded is None:
             raise ApiError(
                 404,
                 f"no request {body.request_id!r} of this tenant to label (unknown or expired)",
                 param="request_id",
                 code="request_not_found",
             )
-        return {"recorded": True, "request_id": body.request_id}
+        if not recorded.first and (recorded.ok, recorded.score) != (ok, body.score):
+            first = {"outcome": "ok" if recorded.ok else "not_ok", "score": recorded.score}
+            err = ApiError(
+                409,
+                f"request {body.request_id!r} already has feedback ({first['outcome']}, score "
+                f"{first['score']}); a request takes one feedback, and the first stands",
+                param="request_id",
+                code="feedback_exists",
+            )
+            return Response({**err.body(), "recorded": first}, status_code=409)
+        return Response({"recorded": True, "request_id": body.request_id}, status_code=200)
 
     return [feedback]
 

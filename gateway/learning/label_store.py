@@ -8,7 +8,11 @@ Keys (all of one tenant share the hash tag `sy:{tenant}`):
   `{"messages"}`), only for tenants with `keep_prompts`, expiring after
   `prompt_retention_s`: the label outlives its text;
 - `sy:{t}:req:<request id>`: a `RequestRecord`, expiring after `feedback_ttl_s`. Its key
-  is in the tenant's namespace, so only that tenant's feedback can find it.
+  is in the tenant's namespace, so only that tenant's feedback can find it;
+- `sy:{t}:once:<source>:<request id>`: the verdict of the request's label from that source
+  (a `Verdict`), expiring after `feedback_ttl_s` (as long as a feedback can come): while
+  it is there no other label of that request and source is added, so a request has one
+  label per source however often, and from however many gateways, its feedback is posted.
 """
 
 import logging
@@ -22,6 +26,32 @@ from cascade.policy import LearningSettings
 log = logging.getLogger(__name__)
 
 STREAM_READ_BATCH = 1000
+
+# KEYS[1] the tenant's label stream, KEYS[2] the request's verdict from the label's source,
+# KEYS[3] the request's kept text. ARGV[1] the label (JSON), ARGV[2] max_labels (the
+# stream's approximate bound), ARGV[3] the label's verdict, ARGV[4] seconds KEYS[2] is
+# kept, ARGV[5] the text (JSON) or "" to keep none, ARGV[6] seconds it is kept.
+# Returns nil when the label was added, else the verdict already recorded (nothing written).
+ADD_ONCE_LUA = """
+local recorded = redis.call('GET', KEYS[2])
+if recorded then return recorded end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'label', ARGV[1])
+redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4])
+if ARGV[5] ~= '' then redis.call('SET', KEYS[3], ARGV[5], 'EX', ARGV[6]) end
+return false
+"""
+
+
+class Verdict(msgspec.Struct, array_like=True, frozen=True):
+    """What a label said, kept beside it while another of its request and source may come."""
+
+    weak_ok: bool | None
+    strong_ok: bool | None
+    feedback_score: float | None = None
+
+    @classmethod
+    def of(cls, label: Label) -> "Verdict":
+        return cls(label.weak_ok, label.strong_ok, label.feedback_score)
 
 
 class RequestRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -47,30 +77,41 @@ def _request_key(tenant: str, request_id: str) -> str:
     return f"sy:{{{tenant}}}:req:{request_id}"
 
 
+def _once_key(tenant: str, source: str, request_id: str) -> str:
+    return f"sy:{{{tenant}}}:once:{source}:{request_id}"
+
+
 class LabelStore:
     """Reads and writes labels; every call is one round trip (a pipeline at most)."""
 
     def __init__(self, redis: Any) -> None:
         self.redis = redis
+        self._add_once = redis.register_script(ADD_ONCE_LUA)
 
     async def add(
         self, label: Label, settings: LearningSettings, prompt: dict[str, Any] | None = None
-    ) -> None:
-        """Append `label` to its tenant's stream; keep `prompt` only if the tenant opted in."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(
-                _labels_key(label.tenant),
-                {"label": msgspec.json.encode(label)},
-                maxlen=settings.max_labels,
-                approximate=True,
-            )
-            if prompt is not None and settings.keep_prompts:
-                pipe.set(
-                    _prompt_key(label.tenant, label.request_id),
-                    msgspec.json.encode(prompt),
-                    ex=max(int(settings.prompt_retention_s), 1),
-                )
-            await pipe.execute()
+    ) -> Verdict | None:
+        """Append `label` to its tenant's stream unless its request already has a label from
+        its source; keep `prompt` only if the tenant opted in. None: added; else the verdict
+        of the label already there (nothing written: the first label stands)."""
+        tenant, rid = label.tenant, label.request_id
+        keep = prompt is not None and settings.keep_prompts
+        recorded = await self._add_once(
+            keys=[
+                _labels_key(tenant),
+                _once_key(tenant, label.source, rid),
+                _prompt_key(tenant, rid),
+            ],
+            args=[
+                msgspec.json.encode(label),
+                settings.max_labels,
+                msgspec.json.encode(Verdict.of(label)),
+                max(int(settings.feedback_ttl_s), 1),
+                msgspec.json.encode(prompt) if keep else b"",
+                max(int(settings.prompt_retention_s), 1),
+            ],
+        )
+        return None if recorded is None else msgspec.json.decode(recorded, type=Verdict)
 
     async def labels(self, tenant: str, limit: int | None = None) -> list[Label]:
         """The tenant's labels, oldest first (at most the newest `limit`)."""

@@ -14,13 +14,16 @@ the client never waits for anything here.
   charged to the tenant. The tenant's judge compares the two
   answers and the label goes to the tenant's stream.
 - `on_escalation`: an escalated request already has both answers: the judge labels it.
+
+A request has at most one label per source (`label_store.py`): a second feedback on it
+records nothing, and says whether it agrees with the first (`feedback`).
 """
 
 import logging
 import random
 import time
 from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
@@ -44,6 +47,14 @@ log = logging.getLogger(__name__)
 SHADOW_PRIORITY = 100  # workers admit lower numbers first and preempt higher ones first
 SHADOW_TIMEOUT_S = 60.0
 JUDGE_TIMEOUT_S = 10.0
+
+
+class FeedbackRecorded(NamedTuple):
+    """The request's feedback as it stands after a post."""
+
+    ok: bool  # its outcome
+    score: float | None
+    first: bool  # this post recorded it; False: an earlier one had (and this one nothing)
 
 
 class LearningMetrics:
@@ -149,12 +160,13 @@ class Learner:
         request_id: str,
         ok: bool,
         score: float | None,
-    ) -> bool:
-        """Record the application's verdict on its own request; False when the request is
-        unknown to this tenant (never made, another tenant's, or expired)."""
+    ) -> FeedbackRecorded | None:
+        """Record the application's verdict on its own request, unless an earlier feedback
+        did (the first stands). None when the request is unknown to this tenant (never
+        made, another tenant's, or expired)."""
         record = await self.store.recall(tenant_id, request_id)
         if record is None:
-            return False
+            return None
         settings = learning_for(gw.router.settings, tenant_id) or LearningSettings()
         small_served = record.served_pool == record.small_pool
         label = Label(
@@ -169,9 +181,12 @@ class Learner:
             feedback_score=score,
             time=time.time(),
         )
-        await self.store.add(label, settings, record.prompt)
+        recorded = await self.store.add(label, settings, record.prompt)
+        if recorded is not None:
+            first_ok = recorded.weak_ok if recorded.weak_ok is not None else recorded.strong_ok
+            return FeedbackRecorded(bool(first_ok), recorded.feedback_score, first=False)
         self._count(label)
-        return True
+        return FeedbackRecorded(ok, score, first=True)
 
     # -- internals --------------------------------------------------------------------
 

@@ -4,10 +4,12 @@ retrain` trains, checks and promotes a tenant classifier, and the routed split m
 toward the rule. Also: feedback only from the tenant that made the request, shadow work
 not charged, promotion refused with figures, rollback, the audit log."""
 
+import dataclasses
 import json
 import random
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 
 import httpx
@@ -311,3 +313,72 @@ def test_one_tenant_cannot_spend_the_whole_shadow_budget(redis_url):
         print(f"shadow labels: heavy {heavy}, light {light}")
         # Within one minute 5 and 5; should the minute turn, each gets at most 5 in the next.
         assert light >= 5 and heavy <= 10, (heavy, light)
+
+
+@contextmanager
+def _second_gateway(s: Stack):
+    """Another gateway over the same Redis and workers (a replica of `s.gateway`)."""
+    with tempfile.TemporaryDirectory(prefix="sy-gw-") as data_dir:
+        cfg = dataclasses.replace(s.gateway.config, data_dir=data_dir)
+        gw = build_gateway(cfg, s.redis_url)
+        with serving(create_gateway_app(gw)) as url:
+            _wait_ready(url)
+            yield url
+
+
+def test_a_request_takes_one_feedback_however_often_and_wherever_it_is_posted(redis_url):
+    """The first feedback stands: the same one again (a retry) is the same 200 and writes
+    nothing; a different one is a 409 saying what was recorded. 300 posts at once through
+    two gateways, half of them the other outcome, leave one label. Before, every post was
+    a label of its own (20,000 posts: 20,000 labels)."""
+    from tests.integration.gateway.conftest import gateway_stack
+
+    with gateway_stack(redis_url, cascade_small_pool="small", cascade_large_pool="large") as s:
+        key = s.tenant("acme")
+        settings = {
+            "default_threshold": 1.0,  # everything small: a feedback labels the small answer
+            "default_target_fraction": None,
+            "learning": {"acme": {"feedback": True, "keep_prompts": True}},
+        }
+        with s.admin() as a:
+            assert a.put("/admin/routing", json=settings).status_code == 200
+        assert _eventually(lambda: s.gateway.router.settings.learning.get("acme") is not None)
+        auth = {"authorization": f"Bearer {key}"}
+        with _second_gateway(s) as url2, httpx.Client(headers=auth, timeout=30) as c:
+            asks = [s.url, url2]
+            rids = []
+            for i in range(2):
+                r = c.post(
+                    f"{asks[i]}/v1/completions",
+                    json={"model": "auto", "prompt": f"2+{i}?", "max_tokens": 4},
+                )
+                assert r.status_code == 200 and r.headers["x-switchyard-model"] == "small"
+                rids.append(r.headers["x-request-id"])
+            one, two = rids
+            fb = {"request_id": one, "outcome": "ok", "score": 0.75}
+            assert _eventually(lambda: c.post(f"{s.url}/v1/feedback", json=fb).status_code == 200)
+            first = c.post(f"{url2}/v1/feedback", json=fb)  # a retry, through the other one
+            assert (first.status_code, first.json()) == (200, {"recorded": True, "request_id": one})
+            conflict = c.post(f"{url2}/v1/feedback", json={**fb, "outcome": "not_ok"})
+            assert conflict.status_code == 409, conflict.text
+            doc = conflict.json()
+            assert doc["error"]["code"] == "feedback_exists"
+            assert doc["error"]["param"] == "request_id" and one in doc["error"]["message"]
+            assert doc["recorded"] == {"outcome": "ok", "score": 0.75}
+            assert c.post(f"{s.url}/v1/feedback", json={**fb, "score": 0.5}).status_code == 409
+
+            def post(i: int) -> int:
+                body = {"request_id": two, "outcome": ("ok", "not_ok")[i % 2]}
+                return c.post(f"{asks[i % 2]}/v1/feedback", json=body).status_code
+
+            with ThreadPoolExecutor(16) as pool:
+                statuses = list(pool.map(post, range(300)))
+        # One outcome won: every post of it is a 200, every post of the other a 409.
+        oks, not_oks = set(statuses[0::2]), set(statuses[1::2])
+        assert (oks, not_oks) in (({200}, {409}), ({409}, {200})), statuses
+        with s.admin() as a:
+            doc = a.get("/admin/routing/labels/acme", params={"split": "all"}).json()
+        assert doc["num_labels"] == 2, doc["num_labels"]
+        rows = sorted((r["request_id"], r["source"], r["weak_ok"]) for r in doc["rows"])
+        won = oks == {200}  # the posts saying "ok" won
+        assert rows == sorted([(one, "feedback", True), (two, "feedback", won)])
