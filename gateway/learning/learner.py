@@ -11,14 +11,16 @@ the client never waits for anything here.
   requests, and it asks the worker for a lower priority than any tenant's), within the
   operator's `shadow_tokens_per_minute` across all replicas (a Redis counter per
   minute, shared fairly among the tenants asking: `shadow_budget.py`), and it is never
-  charged to the tenant. The tenant's judge compares the two
-  answers and the label goes to the tenant's stream.
+  charged to the tenant. Its answer is read as untrusted as the main path's: within
+  `SHADOW_TIMEOUT_S` from its start and the request's answer bound. The tenant's judge
+  compares the two answers and the label goes to the tenant's stream.
 - `on_escalation`: an escalated request already has both answers: the judge labels it.
 
 A request has at most one label per source (`label_store.py`): a second feedback on it
 records nothing, and says whether it agrees with the first (`feedback`).
 """
 
+import asyncio
 import logging
 import random
 import time
@@ -37,7 +39,7 @@ from gateway.learning.label_store import LabelStore, RequestRecord
 from gateway.learning.shadow_budget import ShadowBudget
 from gateway.serving.dispatch import send_attempt
 from gateway.serving.plan import GatewayChatRequest, Plan, PublicRequest, upstream_body
-from workers.api.client import UpstreamError
+from workers.api.client import UpstreamError, UpstreamResponse
 
 if TYPE_CHECKING:  # the gateway holds its learner
     from gateway.gateway import Gateway
@@ -71,6 +73,28 @@ class LearningMetrics:
             ["source", "verdict"],
             registry=registry,
         )
+
+
+def _answer_bytes(gw: "Gateway", plan: Plan, req: PublicRequest) -> int:
+    """The most a worker's answer to this request may take, as on the main path
+    (`gateway.serving.attempts.answer_bytes`): the configured floor, plus an allowance per
+    token its samples may produce (the prompt again when it is echoed)."""
+    config = gw.config
+    echoed = plan.prompt_tokens if getattr(req, "echo", False) else 0
+    per_sample = plan.max_tokens + echoed
+    return config.upstream_min_answer_bytes + config.upstream_bytes_per_token * plan.n * per_sample
+
+
+async def _read_answer(upstream: UpstreamResponse, deadline: float, max_bytes: int) -> dict | None:
+    """A shadow answer, an object read whole by `deadline` (monotonic) and within
+    `max_bytes`; None when it is late, too large, broken or not an object."""
+    try:
+        async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+            answer = msgspec.json.decode(await upstream.aread(max_bytes))
+    except (TimeoutError, UpstreamError, msgspec.DecodeError) as exc:
+        log.debug("shadow answer unread: %r", exc)
+        return None
+    return answer if isinstance(answer, dict) else None
 
 
 def _view_and_prompt(req: PublicRequest, max_tokens: int) -> tuple[RequestView, dict[str, Any]]:
@@ -263,17 +287,20 @@ class Learner:
                 self.metrics.shadow.labels("failed").inc()
                 return
             try:
-                if upstream.status_code != 200:
-                    self.metrics.shadow.labels("failed").inc()
-                    return
-                shadow_content = await upstream.aread()
-                served = True
+                shadowed = None
+                if upstream.status_code == 200:
+                    max_bytes = _answer_bytes(gw, plan, req)
+                    shadowed = await _read_answer(upstream, ticket.deadline, max_bytes)
+                served = shadowed is not None
             finally:
                 await upstream.aclose()
         finally:
             lease.release(served=served)
+        if shadowed is None:
+            self.metrics.shadow.labels("failed").inc()
+            return
         self.metrics.shadow.labels("run").inc()
-        routed, shadowed = msgspec.json.decode(content), msgspec.json.decode(shadow_content)
+        routed = msgspec.json.decode(content)
         small, large = (routed, shadowed) if plan.pool == router.small_pool else (shadowed, routed)
         await self._label_pair(gw, plan, req, small, large, settings, "shadow", large_served=False)
 
