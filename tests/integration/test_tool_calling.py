@@ -76,7 +76,7 @@ def test_a_named_function_is_called_with_valid_arguments(client):
         _valid(call.function.name, call.function.arguments)
 
 
-def test_required_streams_arguments_that_reassemble_into_valid_calls(client):
+def test_required_streams_each_call_whole_as_the_whole_answer_has_it(client):
     kw = dict(
         model="small",
         messages=USER,
@@ -97,7 +97,8 @@ def test_required_streams_arguments_that_reassemble_into_valid_calls(client):
             if d.function.arguments:
                 call["arguments"] += d.function.arguments
                 num_argument_deltas += 1
-    assert calls and num_argument_deltas > len(calls)  # streamed as generated
+    # Each call is sent once it is whole: its first delta carries all its arguments.
+    assert calls and num_argument_deltas == len(calls)
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         (w.function.name, w.function.arguments) for w in whole
     ]
@@ -166,3 +167,24 @@ def test_an_unknown_named_function_is_a_400(client):
             tool_choice={"type": "function", "function": {"name": "nope"}},
         )
     assert exc.value.body["param"] == "tool_choice"
+
+
+def test_a_forced_call_cut_short_by_max_tokens_is_text_not_a_call(client):
+    """Truncated arguments never reach `tool_calls`, whole or streamed: the partial JSON
+    is the message's content and the finish reason is `length`."""
+    kw = dict(
+        model="small",
+        messages=USER,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=3,
+        temperature=0,
+    )
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "length"
+    assert not choice.message.tool_calls
+    assert choice.message.content.startswith("{")
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    assert not any(c.choices[0].delta.tool_calls for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    assert chunks[-1].choices[0].finish_reason == "length"

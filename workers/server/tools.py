@@ -11,15 +11,22 @@ how the output is read back into OpenAI `tool_calls`.
 - Output formats (`auto`): Qwen2/Qwen3/Hermes `<tool_call>{json}</tool_call>`, Llama 3
   a bare JSON object (`parameters` or `arguments`, optionally after `<|python_tag|>`,
   several separated by `;`), Mistral `[TOOL_CALLS][{...}, ...]`.
-- `parse_calls` reads the whole text so far and returns the content and the calls seen,
-  each call's arguments as far as they have been generated. Streaming re-parses the
-  text at each token (outputs are short) and sends what is new (`ToolStream`).
+- `read_pieces` cuts the output into content, calls and the frames around calls. A call
+  counts only when its JSON object is whole and valid, names a function the request
+  declared, has an object of arguments, and is within `parallel_tool_calls`; anything
+  else where a call could be (an undeclared name, arguments cut short by `max_tokens`,
+  not JSON, not an object) is content, in every format, forced ones included.
+- Streaming (`ToolStream`) reads the text as it grows, from where it is still undecided
+  (each character once), and sends what has become certain: a call once it is whole, in
+  one delta; text once it cannot be part of a call; at the end, what is still undecided,
+  as content. A streamed answer therefore has the content and calls of the whole one.
 """
 
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from workers.api.types import ApiError, ChatCompletionRequest, NamedToolChoice
@@ -27,10 +34,6 @@ from workers.engine.structured import GrammarSpec
 
 _QWEN, _LLAMA, _MISTRAL = "qwen", "llama", "mistral"
 _NAMED, _REQUIRED = "named", "required"  # forced formats (constrained JSON)
-_HEAD = re.compile(
-    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
-)
-_MARKERS = {_QWEN: "<tool_call>", _MISTRAL: "[TOOL_CALLS]", _LLAMA: "<|python_tag|>"}
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,8 @@ class ToolPlan:
 
     format: str  # qwen | llama | mistral (auto), named | required (forced)
     tools: list[dict[str, Any]]  # for the chat template, OpenAI shape
-    named: str | None = None
+    named: str | None = None  # the function a named tool_choice forces
+    parallel: bool = True  # more than one call may be answered (parallel_tool_calls)
 
 
 def template_family(template: str) -> str | None:
@@ -81,10 +85,10 @@ def plan_tools(req: ChatCompletionRequest, template: str | None) -> ToolPlan | N
                 f"tool_choice names an unknown function {choice.function.name!r}",
                 param="tool_choice",
             )
-        return ToolPlan(_NAMED, tools, choice.function.name)
+        return ToolPlan(_NAMED, tools, choice.function.name, parallel=False)
     if choice == "required":
-        return ToolPlan(_REQUIRED, tools)
-    return ToolPlan(family, tools)
+        return ToolPlan(_REQUIRED, tools, parallel=req.parallel_tool_calls)
+    return ToolPlan(family, tools, parallel=req.parallel_tool_calls)
 
 
 def _function_dict(f: Any) -> dict[str, Any]:
@@ -151,55 +155,253 @@ def _loads(text: str) -> Any:
         return text
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class Call:
-    name: str
-    arguments: str  # as far as generated
-    complete: bool
+    name: str  # a function the request declared
+    arguments: str  # its arguments: a whole JSON object, as generated
 
 
-def _object_end(text: str, start: int) -> int | None:
-    """Index just past the JSON object starting at `text[start]`, None when it is open."""
-    depth, in_str, esc = 0, False, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if in_str:
-            esc, in_str = (False, in_str) if esc else (ch == "\\", ch != '"')
-        elif ch == '"':
-            in_str = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+_CONTENT, _CALL, _DROP, _OPEN = "content", "call", "drop", "open"
 
 
-def _calls_in(text: str, sep: str) -> list[Call]:
-    """Calls `{"name": …, "arguments": {…}}` one after another, separated by `sep` chars."""
-    calls: list[Call] = []
-    pos = 0
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """`text[start:end]` of an output and what it is: `content` (text for the client),
+    `call` (a whole call of a declared function), `drop` (markers, brackets, separators and
+    whitespace framing calls), `open` (undecided until more text comes; always last)."""
+
+    start: int
+    end: int
+    kind: str
+    call: Call | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Syntax:
+    """How a format frames its calls. A frame is a run of literal tokens, whitespace
+    allowed around them; an opening or in-between frame counts only when a JSON object
+    follows it, a closing one only when it is whole."""
+
+    opens: tuple[tuple[str, ...], ...]  # before the first call, alternatives in order
+    between: tuple[str, ...] | None  # between two calls; None: a single call
+    close: tuple[str, ...]  # after the last call
+    anywhere: bool  # calls may come after content (opens[0][0] marks them); else only first
+
+
+_SYNTAX = {
+    _QWEN: _Syntax((("<tool_call>",),), ("</tool_call>", "<tool_call>"), ("</tool_call>",), True),
+    _MISTRAL: _Syntax((("[TOOL_CALLS]", "["), ("[TOOL_CALLS]",)), (",",), ("]",), True),
+    _LLAMA: _Syntax((("<|python_tag|>",), ()), (";",), (), False),
+    _REQUIRED: _Syntax((("[",),), (",",), ("]",), False),
+    _NAMED: _Syntax(((),), None, (), False),
+}
+_PARTIAL = -1  # a frame the text ends inside: undecided
+_WS = re.compile(r"\s*")
+_STRING_REST = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*', re.DOTALL)  # up to a string's end quote
+_STRUCTURE = re.compile(r'["{}\[\]]')
+_HEAD = re.compile(r'\{\s*"name"\s*:\s*"(?:[^"\\]|\\.)*"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+_TOP, _OBJECT, _AFTER, _TAIL = "top", "object", "after", "tail"
+
+Reader = Callable[[str], Call | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Cursor:
+    """Where reading a growing text resumes: the pieces before `pos` are read for good."""
+
+    pos: int = 0
+    # top: content, or where calls open; object: a call's object starts at pos;
+    # after: one ended at pos (frames next); tail: content to the end
+    state: str = _TOP
+    num_calls: int = 0  # calls before pos
+    scan: tuple[int, int, bool] = (0, 0, False)  # object: (scanned to, depth, in a string)
+
+
+def read_pieces(
+    text: str, plan: ToolPlan, final: bool, at: Cursor = Cursor()
+) -> tuple[list[Piece], Cursor]:
+    """`text` from `at` cut into pieces, in order and covering it, and the cursor to read
+    it from once it has grown. An object where a call can be is a call only when it is
+    whole, is valid JSON, names a function of `plan` with an object of arguments (in a
+    forced named call the object is the arguments), and the plan allows one more call;
+    any other is content. So an undeclared name, truncated or malformed arguments never
+    reach `tool_calls`. Not `final`: the text may grow, and the pieces before the cursor
+    stay as they are whatever comes (an `open` piece, undecided, is last). `final`: the
+    text is whole, nothing is open (what is unfinished is content)."""
+    syntax = _SYNTAX[plan.format]
+    read = _arguments_of(plan.named or "") if plan.format == _NAMED else _call_of(plan)
+    pieces: list[Piece] = []
+    cur = at
     while True:
-        while pos < len(text) and (text[pos] in sep or text[pos].isspace()):
+        if cur.state == _TAIL:
+            _add(pieces, cur.pos, len(text), _CONTENT)
+            return pieces, replace(cur, pos=len(text))
+        if cur.state == _TOP:
+            start, body = _opening(text, cur.pos, syntax, final)
+            _add(pieces, cur.pos, start, _CONTENT)
+            if body is None:
+                cur = replace(cur, pos=start, state=_TAIL)
+            elif body == _PARTIAL:
+                return _open(pieces, text, replace(cur, pos=start))
+            else:
+                _add(pieces, start, body, _DROP)
+                cur = Cursor(body, _OBJECT, cur.num_calls, (body, 0, False))
+        elif cur.state == _OBJECT:
+            end, scan = _object_end(text, cur.scan)
+            if end is None and not final:
+                return _open(pieces, text, replace(cur, scan=scan))
+            if end is None:
+                _add(pieces, cur.pos, len(text), _CONTENT)
+                return pieces, cur
+            call = read(text[cur.pos : end])
+            if not plan.parallel and cur.num_calls:
+                call = None
+            pieces.append(Piece(cur.pos, end, _CONTENT if call is None else _CALL, call))
+            cur = Cursor(end, _AFTER, cur.num_calls + (call is not None))
+        else:
+            nxt = None if syntax.between is None else _lead(text, cur.pos, (syntax.between,), final)
+            close = _frame(text, cur.pos, syntax.close, final) if nxt is None else None
+            if nxt == _PARTIAL or close == _PARTIAL:
+                return _open(pieces, text, cur)
+            if nxt is not None:
+                _add(pieces, cur.pos, nxt, _DROP)
+                cur = Cursor(nxt, _OBJECT, cur.num_calls, (nxt, 0, False))
+                continue
+            end = cur.pos if close is None else close
+            _add(pieces, cur.pos, end, _DROP)
+            if end == len(text) and not final:
+                return pieces, cur  # more whitespace may come, or a frame
+            cur = Cursor(end, _TOP if syntax.anywhere else _TAIL, cur.num_calls)
+
+
+def _add(pieces: list[Piece], start: int, end: int, kind: str, call: Call | None = None) -> None:
+    if end > start:
+        pieces.append(Piece(start, end, kind, call))
+
+
+def _open(pieces: list[Piece], text: str, cur: Cursor) -> tuple[list[Piece], Cursor]:
+    _add(pieces, cur.pos, len(text), _OPEN)
+    return pieces, cur
+
+
+def _opening(text: str, pos: int, syntax: _Syntax, final: bool) -> tuple[int, int | None]:
+    """Where calls open at or after `pos`: (start of their frame, start of their first
+    object); (start, _PARTIAL): content before `start`, undecided from there; (pos, None):
+    content from `pos` on, whatever comes (a format whose calls come first only)."""
+    if not syntax.anywhere:
+        return pos, _lead(text, pos, syntax.opens, final)
+    marker = syntax.opens[0][0]
+    at = pos
+    while (at := text.find(marker, at)) >= 0:
+        body = _lead(text, at, syntax.opens, final)
+        if body is not None:
+            return at, body
+        at += 1
+    held = 0 if final else _held_prefix(text, marker)
+    return max(pos, len(text) - held), _PARTIAL
+
+
+def _lead(text: str, pos: int, frames: tuple[tuple[str, ...], ...], final: bool) -> int | None:
+    """Where the object after the first of `frames` at `pos` starts; None when no frame
+    followed by an object is there, _PARTIAL when the text ends before that is known."""
+    undecided = False
+    for tokens in frames:
+        end = _frame(text, pos, tokens, final)
+        if end == _PARTIAL or end == len(text):
+            undecided = not final
+        elif end is not None and text[end] == "{":
+            return end
+    return _PARTIAL if undecided else None
+
+
+def _frame(text: str, pos: int, tokens: tuple[str, ...], final: bool) -> int | None:
+    """End of `tokens` at `pos`, whitespace around them included; None when they are not
+    there, _PARTIAL (never when `final`) when the text ends inside them."""
+    pos = _skip(text, pos)
+    for token in tokens:
+        if text.startswith(token, pos):
+            pos = _skip(text, pos + len(token))
+        elif not final and len(text) - pos < len(token) and token.startswith(text[pos:]):
+            return _PARTIAL
+        else:
+            return None
+    return pos
+
+
+def _skip(text: str, pos: int) -> int:
+    """`pos` past the whitespace there."""
+    space = _WS.match(text, pos)
+    return pos if space is None else space.end()
+
+
+def _object_end(text: str, scan: tuple[int, int, bool]) -> tuple[int | None, tuple[int, int, bool]]:
+    """Index just past a JSON object whose brackets have been counted as `scan` says
+    (scanned to, depth, inside a string; (start, 0, False) at its `{`), None while it is
+    open, and how far the count got. Each character is looked at once however the text
+    grows."""
+    pos, depth, in_string = scan
+    while True:
+        if in_string:
+            pos = _skip_string(text, pos)
+            if pos == len(text) or text[pos] != '"':  # the end, or a backslash at the end
+                return None, (pos, depth, True)
             pos += 1
-        head = _HEAD.match(text, pos)
-        if head is None:
-            return calls
-        name = json.loads(f'"{head.group(1)}"')
-        start = head.end()
-        if start >= len(text):
-            calls.append(Call(name, "", False))
-            return calls
-        end = _object_end(text, start) if text[start] in "{[" else None
-        if end is None:
-            calls.append(Call(name, text[start:].rstrip(), False))
-            return calls
-        calls.append(Call(name, text[start:end], True))
-        close = text.find("}", end)
-        if close < 0:
-            return calls
-        pos = close + 1
+        found = _STRUCTURE.search(text, pos)
+        if found is None:
+            return None, (len(text), depth, False)
+        pos, token = found.end(), found.group()
+        in_string = token == '"'
+        if not in_string:
+            depth += 1 if token in "{[" else -1
+            if depth == 0:
+                return pos, (pos, 0, False)
+
+
+def _skip_string(text: str, pos: int) -> int:
+    """`pos` past a string's characters and escapes, at its end quote."""
+    rest = _STRING_REST.match(text, pos)
+    return pos if rest is None else rest.end()
+
+
+def _json(text: str) -> Any:
+    """`text` parsed as strict JSON (no NaN or Infinity), None when it is not JSON."""
+    try:
+        return json.loads(text, parse_constant=_not_json)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _call_of(plan: ToolPlan) -> Reader:
+    names = {t["function"]["name"] for t in plan.tools}
+
+    def read(obj: str) -> Call | None:
+        """`{"name": …, "arguments": {…}}` (or `parameters`) of a declared function."""
+        value = _json(obj)
+        if not isinstance(value, dict) or len(value) != 2:
+            return None
+        name = value.get("name")
+        args = value["arguments"] if "arguments" in value else value.get("parameters")
+        if not isinstance(name, str) or name not in names or not isinstance(args, dict):
+            return None
+        head = _HEAD.match(obj)  # arguments after the name: kept as generated
+        raw = obj[head.end() : obj.rindex("}")].rstrip() if head else ""
+        if raw.startswith("{") and _object_end(raw, (0, 0, False))[0] == len(raw):
+            return Call(name, raw)
+        return Call(name, json.dumps(args, ensure_ascii=False))
+
+    return read
+
+
+def _arguments_of(name: str) -> Reader:
+    def read(obj: str) -> Call | None:
+        """A forced call's arguments: any JSON object."""
+        return Call(name, obj) if isinstance(_json(obj), dict) else None
+
+    return read
 
 
 def _held_prefix(text: str, marker: str) -> int:
@@ -210,32 +412,11 @@ def _held_prefix(text: str, marker: str) -> int:
     return 0
 
 
-def parse_calls(text: str, fmt: str, named: str | None = None) -> tuple[str, list[Call]]:
-    """(content safe to show, calls so far) of a generated text."""
-    if fmt == _NAMED:
-        return "", [Call(named or "", text, False)]
-    if fmt == _REQUIRED:
-        return "", _calls_in(text[1:] if text.startswith("[") else "", ",")
-    if fmt == _LLAMA:
-        body = text.lstrip()
-        if body.startswith(_MARKERS[_LLAMA]):
-            body = body[len(_MARKERS[_LLAMA]) :]
-        if not body.strip():
-            return "", []
-        if body.lstrip().startswith("{"):
-            return "", _calls_in(body, ";")
-        return text, []
-    marker = _MARKERS[fmt]
-    at = text.find(marker)
-    if at < 0:
-        return text[: len(text) - _held_prefix(text, marker)], []
-    rest = text[at + len(marker) :]
-    if fmt == _MISTRAL:
-        return text[:at], _calls_in(rest.lstrip()[1:] if rest.lstrip().startswith("[") else "", ",")
-    calls = []
-    for part in rest.split(marker):
-        calls += _calls_in(part.split("</tool_call>")[0], "")
-    return text[:at], calls
+def parse_calls(text: str, plan: ToolPlan) -> tuple[str, list[Call]]:
+    """(content, calls) of a whole output."""
+    pieces, _ = read_pieces(text, plan, final=True)
+    content = "".join(text[p.start : p.end] for p in pieces if p.kind == _CONTENT)
+    return content, [p.call for p in pieces if p.call is not None]
 
 
 def new_call_id() -> str:
@@ -244,64 +425,59 @@ def new_call_id() -> str:
 
 @dataclass
 class ToolStream:
-    """One choice's tool-call reader: full text in, OpenAI deltas out."""
+    """One choice's tool-call reader: full text in, OpenAI deltas out. A call is sent once
+    it is whole, in one delta carrying its id, name and all its arguments, so a stream
+    never shows a call the whole answer would not have (undeclared, cut short by
+    `max_tokens`, malformed); text is sent once it is certain to be content, and what is
+    still undecided at the end (a call cut short) is sent as content by `flush`. The
+    content and calls streamed are those of the whole answer, piece for piece."""
 
     plan: ToolPlan
     text: str = ""
-    sent_content: int = 0
-    sent_args: list[int] = field(default_factory=list)
-    ids: list[str] = field(default_factory=list)
+    sent: int = 0  # the text before this has been sent (as content or calls) or dropped
+    ids: list[str] = field(default_factory=list)  # of the calls sent
+    cursor: Cursor = field(default_factory=Cursor)  # what is read for good: not read again
 
     def push(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
-        """The content and `tool_calls` deltas that `delta` makes visible."""
+        """The content and `tool_calls` deltas that `delta` makes certain."""
         self.text += delta
-        content, calls = parse_calls(self.text, self.plan.format, self.plan.named)
-        new_content = content[self.sent_content :]
-        self.sent_content = max(self.sent_content, len(content))
-        out = []
-        for i, call in enumerate(calls):
-            if i == len(self.ids):
-                self.ids.append(new_call_id())
-                self.sent_args.append(0)
-                out.append(
-                    {
-                        "index": i,
-                        "id": self.ids[i],
-                        "type": "function",
-                        "function": {"name": call.name, "arguments": ""},
-                    }
-                )
-            args = call.arguments[self.sent_args[i] :]
-            if args:
-                self.sent_args[i] = len(call.arguments)
-                out.append({"index": i, "function": {"arguments": args}})
-        return new_content, out
+        return self._send(final=False)
 
     def flush(self) -> str:
-        """Content held back (a possible marker prefix) once the text is known to be whole."""
-        content, calls = parse_calls(self.text, self.plan.format, self.plan.named)
-        if calls:
-            return ""
-        rest = self.text[self.sent_content :]
-        self.sent_content = len(self.text)
-        return rest
+        """What is left, as content, once the text is known to be whole."""
+        content, calls = self._send(final=True)
+        assert not calls  # a call is certain, and sent, as soon as it is whole
+        return content
+
+    def _send(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        pieces, self.cursor = read_pieces(self.text, self.plan, final, self.cursor)
+        content, calls = [], []
+        for p in pieces:
+            if p.kind == _OPEN:
+                break
+            if p.end <= self.sent:
+                continue
+            if p.kind == _CONTENT:
+                content.append(self.text[max(p.start, self.sent) : p.end])
+            elif p.call is not None:
+                self.ids.append(new_call_id())
+                calls.append({"index": len(self.ids) - 1, **_call_dict(p.call, self.ids[-1])})
+            self.sent = p.end
+        return "".join(content), calls
 
     def calls(self) -> list[dict[str, Any]]:
         """The final `message.tool_calls` (empty when the text holds none)."""
-        _, calls = parse_calls(self.text, self.plan.format, self.plan.named)
+        _, calls = parse_calls(self.text, self.plan)
         while len(self.ids) < len(calls):
             self.ids.append(new_call_id())
-        return [
-            {
-                "id": self.ids[i],
-                "type": "function",
-                "function": {"name": c.name, "arguments": c.arguments},
-            }
-            for i, c in enumerate(calls)
-        ]
+        return [_call_dict(c, self.ids[i]) for i, c in enumerate(calls)]
 
     def content(self) -> str | None:
-        content, calls = parse_calls(self.text, self.plan.format, self.plan.named)
-        if not calls:
-            return self.text
-        return content or None
+        """The final `message.content`: None when there are calls and no text beside them."""
+        content, calls = parse_calls(self.text, self.plan)
+        return content or (None if calls else "")
+
+
+def _call_dict(call: Call, call_id: str) -> dict[str, Any]:
+    function = {"name": call.name, "arguments": call.arguments}
+    return {"id": call_id, "type": "function", "function": function}

@@ -4,7 +4,14 @@ import json
 
 import pytest
 
-from workers.server.tools import ToolPlan, ToolStream, parse_calls, template_family
+from workers.api.types import ChatCompletionRequest, decode_request
+from workers.server.tools import (
+    ToolPlan,
+    ToolStream,
+    parse_calls,
+    plan_tools,
+    template_family,
+)
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 QWEN = f"Let me check.<tool_call>\n{CALL}\n</tool_call>"
@@ -12,6 +19,8 @@ LLAMA = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 MISTRAL = f'[TOOL_CALLS][{CALL}, {{"name": "t", "arguments": {{}}}}]'
 PARIS = ("get_weather", {"city": "Paris"})
 NESTED = '[{"name": "f", "arguments": {"a": [1, {"b": "}"}]}}]'
+TOOLS = [{"type": "function", "function": {"name": n}} for n in ("get_weather", "t", "f")]
+QWEN_TEMPLATE = "{% if tools %}<tool_call>{% endif %}"
 
 
 @pytest.mark.parametrize(
@@ -36,15 +45,14 @@ NESTED = '[{"name": "f", "arguments": {"a": [1, {"b": "}"}]}}]'
     ],
 )
 def test_calls_are_parsed_per_family(fmt, text, content, calls):
-    got_content, got = parse_calls(text, fmt)
+    got_content, got = parse_calls(text, ToolPlan(fmt, TOOLS))
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
-    assert all(c.complete for c in got)
 
 
 @pytest.mark.parametrize("fmt, text", [("qwen", QWEN), ("llama", LLAMA), ("mistral", MISTRAL)])
 def test_streamed_deltas_reassemble_to_the_whole_parse(fmt, text):
-    stream = ToolStream(ToolPlan(fmt, []))
+    stream = ToolStream(ToolPlan(fmt, TOOLS))
     content, calls = "", {}
     for ch in text:  # one character per step: the hardest split
         c, deltas = stream.push(ch)
@@ -54,7 +62,8 @@ def test_streamed_deltas_reassemble_to_the_whole_parse(fmt, text):
             if "id" in d:
                 call["name"] = d["function"]["name"]
             call["arguments"] += d["function"]["arguments"]
-    want_content, want = parse_calls(text, fmt)
+    content += stream.flush()
+    want_content, want = parse_calls(text, ToolPlan(fmt, TOOLS))
     assert content == want_content
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         (w.name, w.arguments) for w in want
@@ -72,3 +81,21 @@ def test_template_family_from_the_template_text():
     assert template_family("{% if tools %}<tool_call>{% endif %}") == "qwen"
     assert template_family("{% if tools %}[TOOL_CALLS]{% endif %}") == "mistral"
     assert template_family("{% if tools %}<|python_tag|>{% endif %}") == "llama"
+
+
+def _request(**fields) -> ChatCompletionRequest:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return decode_request(json.dumps(body).encode(), ChatCompletionRequest)
+
+
+def test_the_plan_allows_one_call_unless_parallel_tool_calls():
+    named = {"type": "function", "function": {"name": "f"}}
+    plans = [
+        plan_tools(_request(tools=TOOLS[2:], **fields), QWEN_TEMPLATE)
+        for fields in ({}, {"parallel_tool_calls": False}, {"tool_choice": named})
+    ]
+    assert [(p.format, p.parallel) for p in plans if p] == [
+        ("qwen", True),
+        ("qwen", False),
+        ("named", False),
+    ]
