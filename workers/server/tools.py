@@ -77,6 +77,13 @@ def plan_tools(req: ChatCompletionRequest, template: str | None) -> ToolPlan | N
     names = [t.function.name for t in req.tools]
     if len(set(names)) != len(names):
         raise ApiError(400, "tool function names must be unique", param="tools")
+    for t in req.tools:
+        if (t.function.parameters or {}).get("type", "object") != "object":
+            raise ApiError(
+                400,
+                f"the parameters of {t.function.name!r} must be a JSON schema of type object",
+                param="tools",
+            )
     tools = [{"type": "function", "function": _function_dict(t.function)} for t in req.tools]
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
@@ -100,8 +107,11 @@ def _function_dict(f: Any) -> dict[str, Any]:
 
 
 def tool_grammar(plan: ToolPlan, parallel: bool) -> GrammarSpec | None:
-    """The constraint of a forced tool choice; None for `auto`."""
-    params = {t["function"]["name"]: t["function"]["parameters"] for t in plan.tools}
+    """The constraint of a forced tool choice; None for `auto`. Arguments are objects, also
+    where a schema does not say so."""
+    params = {
+        t["function"]["name"]: {"type": "object", **t["function"]["parameters"]} for t in plan.tools
+    }
     if plan.format == _NAMED:
         assert plan.named is not None
         return GrammarSpec.from_schema(params[plan.named], "tools")

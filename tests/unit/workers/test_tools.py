@@ -4,13 +4,14 @@ import json
 
 import pytest
 
-from workers.api.types import ChatCompletionRequest, decode_request
+from workers.api.types import ApiError, ChatCompletionRequest, decode_request
 from workers.server.tools import (
     ToolPlan,
     ToolStream,
     parse_calls,
     plan_tools,
     template_family,
+    tool_grammar,
 )
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
@@ -86,6 +87,26 @@ def test_template_family_from_the_template_text():
 def _request(**fields) -> ChatCompletionRequest:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
     return decode_request(json.dumps(body).encode(), ChatCompletionRequest)
+
+
+def test_a_function_whose_arguments_are_not_an_object_is_a_400():
+    """Arguments are a JSON object: a forced call of any other schema could never be one."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]
+    with pytest.raises(ApiError) as exc:
+        plan_tools(_request(tools=tools, tool_choice="required"), QWEN_TEMPLATE)
+    assert exc.value.param == "tools"
+
+
+def test_a_forced_call_is_constrained_to_an_object():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {}}}}]
+    named = {"type": "function", "function": {"name": "f"}}
+    plan = plan_tools(_request(tools=tools, tool_choice=named), QWEN_TEMPLATE)
+    assert plan is not None
+    grammar = tool_grammar(plan, parallel=True)
+    assert grammar is not None and json.loads(grammar.schema_json) == {
+        "type": "object",
+        "properties": {},
+    }
 
 
 def test_the_plan_allows_one_call_unless_parallel_tool_calls():
