@@ -28,9 +28,20 @@ def render_fleet(doc: dict[str, Any]) -> str:
             if r.get("kv_total_tokens"):
                 used = r["kv_total_tokens"] - r["kv_free_tokens"]
                 kv = f" KV {used}/{r['kv_total_tokens']}"
+            devices = r.get("devices")
+            on = f" on {','.join(map(str, devices))}" if devices else ""
             lines.append(
                 f"  {r['id']:<10} {r['state']:<9} {r['url'] or '(restarting)':<24} {load}{kv}"
                 + (f" restarts {r['restarts']}" if r.get("restarts") else "")
+                + on
+            )
+        placement = pool.get("placement")
+        if placement:
+            free = ",".join(map(str, placement["free"])) or "none"
+            lines.append(
+                f"  devices: {placement['per_replica']} {placement['kind']} per replica; "
+                f"free {free} of {placement['host_devices']} "
+                f"(room for {placement['startable']} more)"
             )
         decision = pool.get("decision")
         if decision:

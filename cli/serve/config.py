@@ -12,6 +12,7 @@ from cli.config_files import fill, read_yaml
 from gateway.config import GatewayConfig
 from workers.engine.config import EngineConfig
 from workers.fleet.autoscaler import AutoscalerConfig
+from workers.fleet.devices import DeviceKind, Placement
 
 DEMO_MODELS = ("demo-small", "demo-large")  # `switchyard models make-demo` checkpoints
 
@@ -29,6 +30,10 @@ class PoolSection:
     # Each replica is a shard group of this many ranks (one process per device), started,
     # drained and restarted as one unit; the autoscaler counts the group as one replica.
     tensor_parallel: int = 1
+    # CPU pools: the cores each rank runs on, its own (pinned; its threads follow). None:
+    # the host's cores split evenly over every pool's ranks at max_replicas (at least one
+    # each). A GPU pool's rank gets one GPU of its own.
+    cores_per_rank: int | None = None
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
     worker: dict[str, Any] = field(default_factory=dict)  # WorkerConfig fields
     autoscaler: dict[str, Any] = field(default_factory=dict)  # AutoscalerConfig fields
@@ -67,6 +72,9 @@ class FleetSection:
     stall_restart_s: float = 30.0  # a worker stalled this long is killed and restarted
     start_timeout_s: float = 300.0  # a worker not ready by then is killed and restarted
     stop_grace_s: float = 10.0  # at shutdown: SIGTERM, then SIGKILL after this
+    # Each replica on devices of its own (CPU cores or GPUs, workers/fleet/devices.py), and
+    # none started that the free devices cannot hold. False: replicas share the machine.
+    place_on_devices: bool = True
 
 
 @dataclass
@@ -123,6 +131,10 @@ def check(cfg: ServeConfig, where: str) -> None:
         at = f"{where}: pools.{name}"
         if not isinstance(pool.tensor_parallel, int) or pool.tensor_parallel < 1:
             raise SystemExit(f"{at}.tensor_parallel must be a whole number >= 1")
+        if pool.cores_per_rank is not None and (
+            not isinstance(pool.cores_per_rank, int) or pool.cores_per_rank < 1
+        ):
+            raise SystemExit(f"{at}.cores_per_rank must be a whole number >= 1, or null")
         fill(EngineConfig, pool.engine, f"{at}.engine")
         from workers.server.config import WorkerConfig
 
@@ -156,6 +168,47 @@ def check(cfg: ServeConfig, where: str) -> None:
                 raise SystemExit(f"{where}: cascade pool {pool!r} is not among {sorted(cfg.pools)}")
         if c.target_fraction is not None and not 0.0 <= c.target_fraction <= 1.0:
             raise SystemExit(f"{where}: cascade.target_fraction must be in [0, 1]")
+
+
+def device_kind(pool: PoolSection) -> DeviceKind:
+    """What a pool's replicas run on, from its engine's device setting."""
+    return "cuda" if str(pool.engine.get("device", "cpu")).startswith("cuda") else "cpu"
+
+
+def placements(cfg: ServeConfig, devices: dict[DeviceKind, list[int]]) -> dict[str, Placement]:
+    """Each pool's placement on the host's `devices`, or SystemExit when the pools' warm
+    replicas (min_replicas) do not fit them: serve never starts more than the host holds."""
+    kinds = {name: device_kind(pool) for name, pool in cfg.pools.items()}
+    most_ranks = {kind: 0 for kind in devices}  # every pool at its max_replicas
+    for name, pool in cfg.pools.items():
+        most_ranks[kinds[name]] = most_ranks.get(kinds[name], 0) + (
+            pool.max_replicas * pool.tensor_parallel
+        )
+    out: dict[str, Placement] = {}
+    for name, pool in cfg.pools.items():
+        kind = kinds[name]
+        if kind == "cuda":
+            per_rank = 1
+        elif pool.cores_per_rank is not None:
+            per_rank = pool.cores_per_rank
+        else:
+            per_rank = max(len(devices.get(kind, ())) // max(most_ranks[kind], 1), 1)
+        out[name] = Placement(kind, per_rank, pool.tensor_parallel)
+    for kind, have in devices.items():
+        need = [
+            (name, cfg.pools[name].min_replicas, p)
+            for name, p in out.items()
+            if p.kind == kind and cfg.pools[name].min_replicas
+        ]
+        total = sum(n * p.count for _, n, p in need)
+        if total > len(have):
+            parts = ", ".join(f"{name} {n} x {p.count}" for name, n, p in need)
+            raise SystemExit(
+                f"the pools' min_replicas need {total} {kind} devices ({parts}); this host "
+                f"has {len(have)}. Lower min_replicas or cores_per_rank, or set "
+                "fleet.place_on_devices: false to let replicas share them"
+            )
+    return out
 
 
 def autoscaler_config(pool: PoolSection) -> AutoscalerConfig:

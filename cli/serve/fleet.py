@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from gateway.capacity.pool import Pool
 from workers.fleet.actuator import apply_decision
 from workers.fleet.autoscaler import Autoscaler
+from workers.fleet.devices import NoDevices
 from workers.fleet.signals import PoolSignals
 from workers.fleet.supervisor import LocalSupervisor
 
@@ -72,6 +73,7 @@ def pool_signals(
         arrivals_per_s=arrivals,
         mean_service_s=service_s,
         ttft_p90_s=pool.ttft_p90_s(window_s),  # streams only; None: none in the window
+        startable=supervisor.startable(pool.name),
     )
 
 
@@ -123,7 +125,10 @@ class FleetLoop:
                     decision.desired_replicas,
                     decision.reason,
                 )
-            apply_decision(decision, self.supervisor)
+            try:
+                apply_decision(decision, self.supervisor)
+            except NoDevices as exc:  # the signals said there were: another pool took them
+                log.warning("autoscaler %s: %s", name, exc)
 
     def status(self) -> dict[str, Any]:
         """Per pool, for `GET /admin/fleet`: replicas with state and load, the signals and
@@ -139,8 +144,23 @@ class FleetLoop:
                 "max_replicas": config.max_replicas if config else None,
                 "signals": _finite(signals.to_dict()) if signals else None,
                 "decision": last.to_dict() if last else None,
+                "placement": self._placement(name),
             }
         return out
+
+    def _placement(self, pool: str) -> dict[str, Any] | None:
+        """The devices a replica of `pool` gets, and the host's of that kind: total, free."""
+        need = self.supervisor.pools[pool].placement
+        inventory = self.supervisor.inventory
+        if need is None or inventory is None:
+            return None
+        return {
+            "kind": need.kind,
+            "per_replica": need.count,
+            "host_devices": inventory.total(need.kind),
+            "free": list(inventory.free(need.kind)),
+            "startable": inventory.startable(need),
+        }
 
 
 def _finite(doc: dict[str, Any]) -> dict[str, Any]:

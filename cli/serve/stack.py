@@ -25,7 +25,13 @@ from cli.commands.models import cache_dir
 from cli.config_files import fill
 from cli.logs import setup_logging
 from cli.serve import console, state
-from cli.serve.config import DEMO_MODELS, ServeConfig, autoscaler_config
+from cli.serve.config import (
+    DEMO_MODELS,
+    ServeConfig,
+    autoscaler_config,
+    device_kind,
+    placements,
+)
 from cli.serve.fleet import FleetLoop, PoolMembership
 from gateway.app import create_gateway_app
 from gateway.config import GatewayConfig
@@ -36,7 +42,13 @@ from gateway.runtime.main import build_gateway
 from quota.models import TenantLimits
 from workers.api.client import WorkerClient
 from workers.fleet.autoscaler import Autoscaler
-from workers.fleet.supervisor import LocalSupervisor, PoolLaunch, SupervisorConfig
+from workers.fleet.devices import DeviceInventory, Placement
+from workers.fleet.supervisor import (
+    LocalSupervisor,
+    PoolLaunch,
+    SupervisorConfig,
+    detect_devices,
+)
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +121,14 @@ def ensure_models(cfg: ServeConfig, data_dir: Path) -> dict[str, Path]:
 
 
 def worker_launches(
-    cfg: ServeConfig, model_dirs: dict[str, Path], run_dir: Path, opts: RunOptions
+    cfg: ServeConfig,
+    model_dirs: dict[str, Path],
+    run_dir: Path,
+    opts: RunOptions,
+    placed: dict[str, Placement] | None = None,
 ) -> dict[str, PoolLaunch]:
-    """How each pool's workers start: `python -m cli worker` with a per-pool YAML."""
+    """How each pool's workers start: `python -m cli worker` with a per-pool YAML.
+    `placed`: each pool's devices per replica (None: replicas share the machine)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     # Processes, not replicas: a replica of a sharded pool is `tensor_parallel` ranks.
@@ -119,8 +136,12 @@ def worker_launches(
     launches = {}
     for name, pool in cfg.pools.items():
         engine = dict(pool.engine)
-        # Workers share the machine: split the CPUs over the warm replicas.
-        engine.setdefault("threads", max((cpus or 1) // warm, 1))
+        placement = placed.get(name) if placed is not None else None
+        if placement is None:
+            # Workers share the machine: split the CPUs over the warm replicas.
+            engine.setdefault("threads", max((cpus or 1) // warm, 1))
+        elif engine.get("threads") is None:
+            engine.pop("threads", None)  # a placed rank's threads follow its own cores
         worker_yaml = run_dir / f"worker-{name}.yaml"
         worker_yaml.write_text(yaml.safe_dump({"engine": engine, "worker": pool.worker}))
         control_key = os.urandom(16).hex()
@@ -148,7 +169,10 @@ def worker_launches(
             ]
 
         launches[name] = PoolLaunch(
-            argv, env={"SWITCHYARD_WORKER_CONTROL_KEY": control_key}, control_key=control_key
+            argv,
+            env={"SWITCHYARD_WORKER_CONTROL_KEY": control_key},
+            control_key=control_key,
+            placement=placement,
         )
     return launches
 
@@ -228,8 +252,20 @@ class Stack:
         gcfg = gateway_config(cfg, model_dirs, self.data_dir, admin_key)
         gw = build_gateway(gcfg, redis_url)
         probe = WorkerClient(connect_timeout_s=1.0)
+        inventory, placed = None, None
+        if cfg.fleet.place_on_devices:
+            devices = detect_devices({device_kind(p) for p in cfg.pools.values()})
+            try:
+                placed = placements(cfg, devices)
+            except SystemExit as exc:
+                raise StartupError(str(exc)) from None
+            inventory = DeviceInventory(devices)
+            for name, p in placed.items():
+                log.info(
+                    "pool %s: each replica on %d %s device(s) of its own", name, p.count, p.kind
+                )
         supervisor = LocalSupervisor(
-            worker_launches(cfg, model_dirs, self.data_dir / "run", self.opts),
+            worker_launches(cfg, model_dirs, self.data_dir / "run", self.opts, placed),
             probe,
             PoolMembership(gw.pools, self.data_dir / "prometheus" / "workers.json"),
             SupervisorConfig(
@@ -240,6 +276,7 @@ class Stack:
                 start_timeout_s=cfg.fleet.start_timeout_s,
                 stop_grace_s=cfg.fleet.stop_grace_s,
             ),
+            inventory=inventory,
         )
         self.supervisor = supervisor
         autoscaler = None

@@ -13,9 +13,11 @@ utilisation: a saturated replica reads 100 % busy however long the queue behind 
 `Autoscaler.decide` keeps each pool's recent recommendations. It scales up to the
 lowest recommendation of the short window (a single noisy tick does not order a
 replica) and down to the highest of the long window (one replica short costs every
-waiting user's first token; one too many costs only money). Ready and starting replicas
-are both capacity already ordered, so a constant overload during a slow start keeps
-one constant target instead of doubling at every tick.
+waiting user's first token; one too many costs only money). Ready, starting and stalled
+replicas are capacity already ordered, so a constant overload during a slow start keeps
+one constant target instead of doubling at every tick, and a stall is restarted, not
+replaced. What a decision starts fits: every replica of the pool, draining ones too,
+within max_replicas, and the new ones on the host's free devices (`PoolSignals.startable`).
 """
 
 import math
@@ -203,9 +205,29 @@ class Autoscaler:
             desired = ordered
             why = f"hold: {hold_reason or rec.reason}"
         desired = min(max(desired, config.min_replicas), config.max_replicas)
+        desired, why = _bound_starts(signals, config, desired, why)
         decision = plan_change(signals, desired, now_s, rec.num_replicas, why, rec.demand_slots)
         self.last[signals.pool] = decision
         return decision
+
+
+def _bound_starts(
+    signals: PoolSignals, config: AutoscalerConfig, desired: int, why: str
+) -> tuple[int, str]:
+    """`desired`, lowered so that what it starts fits: every process of the pool (draining
+    ones too) within max_replicas, and the new ones on the host's free devices."""
+    ordered = signals.num_ordered
+    if desired <= ordered:
+        return desired, why
+    room = config.max_replicas - len(signals.replicas)
+    bounds = [(room, f"max_replicas {config.max_replicas} counting every replica")]
+    if signals.startable is not None:
+        bounds.append((signals.startable, f"devices free for {signals.startable} more"))
+    limit, reason = min(bounds, key=lambda b: b[0])
+    if desired - ordered <= limit:
+        return desired, why
+    bounded = ordered + max(limit, 0)
+    return bounded, f"{why}; {desired} wanted, {bounded} bounded by {reason}"
 
 
 def _hold_down_reason(

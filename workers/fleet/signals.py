@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 # `starting`: ordered, not yet ready (process launched, model loading, pod pending).
 # `ready`: serving. `draining`: told to stop admitting; finishing resident sequences.
-# `stalled`: resident work and no engine progress; neither capacity nor a victim.
+# `stalled`: resident work and no engine progress: not serving and not a victim, but
+# capacity already ordered (the supervisor restarts it), so never replaced.
 ReplicaState = Literal["starting", "ready", "draining", "stalled"]
 
 
@@ -49,14 +50,18 @@ class PoolSignals:
     arrivals_per_s: float | None = None  # requests offered to the pool (queued or refused)
     mean_service_s: float | None = None  # mean seconds a request held a worker slot
     ttft_p90_s: float | None = None  # time to first token, p90 over the short window
+    # More replicas the host's free devices can place now (None: not bounded by devices).
+    startable: int | None = None
 
     def in_state(self, *states: ReplicaState) -> list[ReplicaSignals]:
         return [r for r in self.replicas if r.state in states]
 
     @property
     def num_ordered(self) -> int:
-        """Capacity already ordered: ready plus starting (draining and stalled are not)."""
-        return len(self.in_state("ready", "starting"))
+        """Capacity already ordered: ready, starting (restarting included) and stalled (the
+        supervisor restarts it; a replacement would be one replica too many once it is
+        back). Draining replicas are not: they are leaving."""
+        return len(self.in_state("ready", "starting", "stalled"))
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

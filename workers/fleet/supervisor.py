@@ -26,6 +26,7 @@ from typing import Protocol
 
 from workers.api.client import WorkerClient
 from workers.api.types import LoadReport
+from workers.fleet.devices import DeviceInventory, DeviceKind, Placement
 from workers.fleet.signals import ReplicaSignals, ReplicaState
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,9 @@ class PoolLaunch:
     argv: Callable[[int], list[str]]
     env: dict[str, str] = field(default_factory=dict)
     control_key: str | None = None  # sent with /drain
+    # The devices each replica needs from the supervisor's inventory; None: not placed
+    # (the replica runs wherever the OS puts it).
+    placement: Placement | None = None
 
 
 @dataclass
@@ -66,6 +70,31 @@ def restart_delay_s(num_crashes: int, base_s: float, max_s: float) -> float:
     return min(base_s * 2 ** max(num_crashes - 1, 0), max_s)
 
 
+def detect_devices(kinds: set[DeviceKind]) -> dict[DeviceKind, list[int]]:
+    """This host's devices of each kind asked for: the CPU cores this process may run on
+    (its affinity), and the GPUs CUDA_VISIBLE_DEVICES lists, else those torch sees."""
+    found: dict[DeviceKind, list[int]] = {}
+    if "cpu" in kinds:
+        try:
+            found["cpu"] = sorted(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            found["cpu"] = list(range(os.cpu_count() or 1))
+    if "cuda" in kinds:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            found["cuda"] = [int(i) for i in visible.split(",") if i.strip().isdigit()]
+        else:
+            import torch
+
+            found["cuda"] = list(range(torch.cuda.device_count()))
+    return found
+
+
+def placed_env(kind: DeviceKind, devices: tuple[int, ...]) -> dict[str, str]:
+    """The environment that keeps a replica on its GPUs (CPU cores are its affinity)."""
+    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))} if kind == "cuda" else {}
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -82,8 +111,11 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
             proc.send_signal(sig)
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: the worker gets SIGTERM if the supervisor dies without stopping it."""
+def _die_with_parent(cpus: tuple[int, ...] | None = None) -> None:  # pragma: no cover
+    """Runs in the child before exec. Linux: the worker gets SIGTERM if the supervisor dies
+    without stopping it; `cpus`: it runs on those cores only (and sizes its threads so)."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     os.setsid()  # a terminal's Ctrl-C reaches the supervisor, which drains first
     try:
         import ctypes
@@ -109,6 +141,7 @@ class Replica:
     num_restarts: int = 0
     load: LoadReport | None = None
     log_path: Path | None = None
+    devices: tuple[int, ...] | None = None  # held from the inventory until it is gone
 
     @property
     def url(self) -> str:
@@ -138,6 +171,7 @@ class Replica:
             "kv_free_tokens": self.load.kv_free_tokens if self.load else None,
             "kv_total_tokens": self.load.kv_total_tokens if self.load else None,
             "tokens_per_s": self.load.output_tokens_per_s if self.load else None,
+            "devices": list(self.devices) if self.devices is not None else None,
             "log": str(self.log_path) if self.log_path else None,
         }
 
@@ -155,8 +189,11 @@ class LocalSupervisor:
         membership: Membership,
         config: SupervisorConfig,
         clock: Callable[[], float] = time.monotonic,
+        inventory: DeviceInventory | None = None,
     ) -> None:
         self.pools = pools
+        # Where placed pools' replicas get their devices; None: a placement is refused.
+        self.inventory = inventory
         self.client = client
         self.membership = membership
         self.config = config
@@ -170,10 +207,24 @@ class LocalSupervisor:
     # -- the Actuator ---------------------------------------------------------------------
 
     def start_replica(self, pool: str) -> str:
+        """Raises NoDevices (nothing started) when the pool's placement does not fit the
+        free devices."""
         replica = Replica(f"{pool}-{next(self._ids)}", pool, self.clock())
+        need = self.pools[pool].placement
+        if need is not None:
+            if self.inventory is None:
+                raise ValueError(f"pool {pool} needs devices and the supervisor has none")
+            replica.devices = self.inventory.take(replica.replica_id, pool, need)
         self.replicas[replica.replica_id] = replica
         self._launch(replica)
         return replica.replica_id
+
+    def startable(self, pool: str) -> int | None:
+        """More replicas of `pool` the free devices can place (None: it is not placed)."""
+        need = self.pools[pool].placement
+        if need is None or self.inventory is None:
+            return None
+        return self.inventory.startable(need)
 
     def drain_replica(self, pool: str, replica_id: str) -> None:
         replica = self.replicas.get(replica_id)
@@ -290,6 +341,11 @@ class LocalSupervisor:
         replica.launched_at_s = self.clock()
         replica.log_path = self.config.log_dir / f"{replica.replica_id}.log"
         env = {**os.environ, **launch.env}
+        cpus = None
+        if launch.placement is not None and replica.devices is not None:
+            env.update(placed_env(launch.placement.kind, replica.devices))
+            if launch.placement.kind == "cpu":
+                cpus = replica.devices
         with open(replica.log_path, "ab") as out:
             replica.proc = subprocess.Popen(
                 launch.argv(replica.port),
@@ -297,13 +353,17 @@ class LocalSupervisor:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
-                preexec_fn=_die_with_parent,
+                preexec_fn=lambda: _die_with_parent(cpus),
             )
+        placed = ""
+        if launch.placement is not None and replica.devices is not None:
+            placed = f", on {launch.placement.kind} {','.join(map(str, replica.devices))}"
         log.info(
-            "%s starting: pid %d, %s (log: %s)",
+            "%s starting: pid %d, %s%s (log: %s)",
             replica.replica_id,
             replica.proc.pid,
             replica.url,
+            placed,
             replica.log_path,
         )
         self.membership.add(replica.pool, replica.url)
@@ -312,19 +372,31 @@ class LocalSupervisor:
         self.replicas.pop(replica.replica_id, None)
         proc = replica.proc
         if proc is None:
+            self._give_back(replica.replica_id)
             return
         if kill and proc.poll() is None:
             proc.terminate()
-            self._spawn(self._reap(proc))
+            # Its devices are free once it is gone, not while it may still run.
+            self._spawn(self._reap(proc, replica.replica_id))
+        else:
+            self._give_back(replica.replica_id)
         self.membership.remove(replica.pool, replica.url, lost=False)
 
-    async def _reap(self, proc: subprocess.Popen) -> None:
-        deadline = self.clock() + self.config.stop_grace_s
-        while proc.poll() is None and self.clock() < deadline:
-            await asyncio.sleep(0.1)
-        if proc.poll() is None:
-            kill_group(proc)
-            proc.wait()
+    def _give_back(self, replica_id: str) -> None:
+        if self.inventory is not None:
+            self.inventory.give_back(replica_id)
+
+    async def _reap(self, proc: subprocess.Popen, replica_id: str | None = None) -> None:
+        try:
+            deadline = self.clock() + self.config.stop_grace_s
+            while proc.poll() is None and self.clock() < deadline:
+                await asyncio.sleep(0.1)
+            if proc.poll() is None:
+                kill_group(proc)
+                proc.wait()
+        finally:
+            if replica_id is not None:
+                self._give_back(replica_id)
 
     async def _send_drain(self, replica: Replica) -> None:
         key = self.pools[replica.pool].control_key

@@ -13,6 +13,7 @@ from pathlib import Path
 from workers.engine.config import EngineConfig, SchedulerConfig
 from workers.tp.config import ShardConfig
 from workers.tp.group import ShardGroup, ShardGroupError
+from workers.tp.launch import pin_to
 from workers.tp.runner import ShardedRunner
 
 log = logging.getLogger("workers.tp.follower")
@@ -24,6 +25,7 @@ def run(spec: dict) -> int:
     engine_config = EngineConfig(**engine)
     config = ShardConfig(**spec["shard"])
     rank = spec["rank"]
+    pin_to(spec.get("cpus"))  # this rank's own cores, before its threads start
     import torch
 
     device = torch.device(engine_config.device)

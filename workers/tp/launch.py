@@ -44,6 +44,27 @@ def rank_engine_config(config: EngineConfig, rank: int, size: int) -> EngineConf
     )
 
 
+def rank_cpus(size: int) -> list[list[int]] | None:
+    """The CPUs this process may run on, split into `size` adjacent slices, one per rank,
+    so that a shard group placed on its own cores (`workers.fleet.devices`) gives each
+    rank its own; None when there are fewer CPUs than ranks (nothing to split) or no
+    affinity on this platform. Leftover CPUs (not a multiple of `size`) go unused."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return None
+    k = len(cpus) // size
+    if k < 1:
+        return None
+    return [cpus[r * k : (r + 1) * k] for r in range(size)]
+
+
+def pin_to(cpus: list[int] | None) -> None:
+    """Run this process on `cpus` from now on (None: leave it)."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
     try:
         import ctypes
@@ -78,6 +99,8 @@ class ShardGroupLauncher:
             "127.0.0.1", 0, self.size, is_master=True, timeout=start, wait_for_workers=False
         )
         self.procs: list[subprocess.Popen] = []
+        on_cpu = rank_device(engine_config.device, 0).type == "cpu"
+        slices = rank_cpus(self.size) if on_cpu else None
         for rank in range(1, self.size):
             spec = {
                 "model_dir": str(self.model_dir),
@@ -86,11 +109,13 @@ class ShardGroupLauncher:
                 "rank": rank,
                 "store_port": self.store.port,
                 "log_level": log_level,
+                "cpus": slices[rank] if slices else None,
             }
             argv = [sys.executable, "-m", "workers.tp.follower", json.dumps(spec)]
             self.procs.append(
                 subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
             )
+        pin_to(slices[0] if slices else None)  # after the others inherited the whole set
         log.info(
             "shard group of %d: rank 0 is pid %d, ranks 1..%d are pids %s (store 127.0.0.1:%d)",
             self.size,

@@ -126,3 +126,43 @@ def test_a_sharded_pool_starts_each_replica_as_a_group_and_refuses_unsplittable_
     path.write_text(yaml.safe_dump({"pools": {"x": {"tensor_parallel": 0}}}))
     with pytest.raises(SystemExit, match="tensor_parallel must be"):
         load_serve_config(path)
+
+
+def test_the_shipped_config_places_one_core_per_replica_on_two_cores_and_never_more() -> None:
+    """configs/serve.yaml on this 2-core machine: small and large each warm on a core of its
+    own; small's second replica would need a third core, so it is never started while
+    large holds one (the tour ran 5 engine processes on 2 cores)."""
+    from cli.serve.config import placements
+    from workers.fleet.devices import DeviceInventory
+
+    cfg = load_serve_config(REPO_ROOT / "configs" / "serve.yaml")
+    placed = placements(cfg, {"cpu": [0, 1]})
+    assert {n: (p.kind, p.count) for n, p in placed.items()} == {
+        "small": ("cpu", 1),
+        "large": ("cpu", 1),
+    }
+    inventory = DeviceInventory({"cpu": [0, 1]})
+    inventory.take("small-0", "small", placed["small"])
+    inventory.take("large-1", "large", placed["large"])
+    assert inventory.startable(placed["small"]) == 0
+    # On 8 cores, small at its max (2) and large (1) get 8 // 3 = 2 cores a replica.
+    assert {p.count for p in placements(cfg, {"cpu": list(range(8))}).values()} == {2}
+
+
+def test_warm_replicas_that_do_not_fit_the_host_are_refused_at_start_naming_the_numbers() -> None:
+    from cli.serve.config import PoolSection, placements
+
+    cfg = ServeConfig(
+        pools={
+            "small": PoolSection(min_replicas=2, cores_per_rank=1),
+            "large": PoolSection(min_replicas=1, tensor_parallel=2, cores_per_rank=1),
+        }
+    )
+    with pytest.raises(SystemExit, match=r"need 4 cpu devices \(small 2 x 1, large 1 x 2\)"):
+        placements(cfg, {"cpu": [0, 1]})
+    gpu = ServeConfig(
+        pools={"big": PoolSection(tensor_parallel=2, engine={"device": "cuda"})},
+        cascade=ServeConfig().cascade,
+    )
+    (placement,) = placements(gpu, {"cuda": [0, 1, 2, 3]}).values()
+    assert (placement.kind, placement.per_rank, placement.ranks) == ("cuda", 1, 2)

@@ -139,3 +139,40 @@ def test_decision_serialises_with_its_reason() -> None:
     body = json.loads(json.dumps(decision.to_dict()))
     assert body["pool"] == "small" and body["num_start"] == 4 and body["reason"]
     assert scaler.last["small"] == decision
+
+
+def _with(signals: PoolSignals, *extra, startable: int | None = None) -> PoolSignals:
+    from dataclasses import replace
+
+    return replace(signals, replicas=signals.replicas + extra, startable=startable)
+
+
+def test_a_stalled_replica_is_capacity_already_ordered_and_never_replaced() -> None:
+    """The supervisor restarts a stall; ordering a replacement too would leave one replica
+    too many once it is back (the tour's large pool, max 1, ran 2)."""
+    scaler = Autoscaler({"small": make_config(max_replicas=2)})
+    busy = make_pool(num_ready=1, running_each=8, arrivals_per_s=4.0)  # demand: 2 replicas
+    stalled = _with(busy, make_replica("r9", "stalled", num_running=4))
+    for t in range(10):
+        assert run(scaler, stalled, float(t), float(t)).num_start == 0
+
+
+def test_draining_replicas_count_against_max_replicas() -> None:
+    scaler = Autoscaler({"small": make_config(max_replicas=2)})
+    burst = make_pool(num_ready=1, running_each=8, arrivals_per_s=12.0)  # wants 6
+    draining = _with(burst, make_replica("r9", "draining", num_running=8))
+    decision = run(scaler, draining, 0.0, 5.0)
+    assert decision.num_start == 0 and decision.desired_replicas == 1
+    assert "bounded by max_replicas 2 counting every replica" in decision.reason
+    alone = run(Autoscaler({"small": make_config(max_replicas=2)}), burst, 0.0, 5.0)
+    assert alone.num_start == 1  # without the draining one, room for one more
+
+
+def test_starts_are_bounded_by_the_devices_free_and_the_decision_says_so() -> None:
+    scaler = Autoscaler({"small": make_config(max_replicas=10)})
+    burst = _with(make_pool(num_ready=2, running_each=8, arrivals_per_s=12.0), startable=1)
+    decision = run(scaler, burst, 0.0, 5.0)
+    assert decision.num_start == 1 and decision.desired_replicas == 3
+    assert "6 wanted, 3 bounded by devices free for 1 more" in decision.reason
+    none_free = _with(burst, startable=0)
+    assert run(Autoscaler({"small": make_config()}), none_free, 0.0, 5.0).num_start == 0
