@@ -1,6 +1,6 @@
 """Engine configuration: one dataclass, defaults here, filled from YAML by entry points."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -27,6 +27,24 @@ class SchedulerConfig:
     # with this half-life in steps. So one tenant's queue of long prompts cannot hold back
     # another tenant's first token; within a tenant the order is unchanged.
     fair_share_half_life_steps: int = 64
+
+
+@dataclass
+class GrammarCacheConfig:
+    """Bounds of one engine's compiled JSON-schema grammars (`workers.engine.grammar_cache`).
+
+    An entry is charged the heap bytes its build left allocated plus what its lexer may
+    still grow to: llguidance builds lexer states lazily, as requests use the grammar, into
+    the cached grammar itself (shared by every request's copy), up to `max_lexer_states` of
+    about 1 KiB each. A request whose grammar needs more states fails, alone."""
+
+    max_bytes: int = 512 * 2**20  # all entries together
+    max_tenant_bytes: int = 128 * 2**20  # one tenant's entries; a larger grammar is not kept
+    max_entries: int = 256
+    max_lexer_states: int = 8192  # per grammar (llguidance's own default: 250,000)
+    # A tenant's schema compiles in flight (building or waiting for the build lane); one
+    # more is refused (429), a cached schema never is.
+    max_compiles_per_tenant: int = 2
 
 
 DECODE_GRAPH_MODES = ("auto", "off", "eager")
@@ -70,6 +88,7 @@ class EngineConfig:
     decode_graphs: str = "auto"
     threads: int | None = None  # torch intra-op threads; None = CPUs we may run on, at most 8
     scheduler: SchedulerConfig | None = None
+    grammar_cache: GrammarCacheConfig = field(default_factory=GrammarCacheConfig)
     seed: int = 0  # for unseeded sampling
 
     def __post_init__(self) -> None:
@@ -80,3 +99,5 @@ class EngineConfig:
             )
         if self.scheduler is None:
             self.scheduler = SchedulerConfig()
+        if isinstance(self.grammar_cache, dict):  # a config passed on as a plain mapping
+            self.grammar_cache = GrammarCacheConfig(**self.grammar_cache)

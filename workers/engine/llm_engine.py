@@ -17,7 +17,7 @@ from workers.engine.request import FinishReason, Request, RequestStatus
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
 from workers.engine.stats import EngineStats
-from workers.engine.structured import GrammarCompiler, GrammarSpec
+from workers.engine.structured import GrammarCompiler, GrammarSpec, Guide
 from workers.engine.tokenizer import CheckpointTokenizer
 from workers.errors import ContextLengthError, EngineStepError, InvalidRequestError
 from workers.runner.runner import ModelRunner
@@ -62,7 +62,7 @@ class LLMEngine:
         self.num_failed_requests = 0
         self._num_failed_steps = 0  # in a row, every request failing
         self.grammars: GrammarCompiler | None = (
-            GrammarCompiler(tokenizer.hf, runner.model_config.vocab_size, eos)
+            GrammarCompiler(tokenizer.hf, runner.model_config.vocab_size, eos, config.grammar_cache)
             if tokenizer is not None
             else None
         )
@@ -102,12 +102,15 @@ class LLMEngine:
         deadline: float | None = None,
         add_special_tokens: bool = True,
         grammar: GrammarSpec | None = None,
+        guide: Guide | None = None,
     ) -> Request:
         """Validate and tokenize a request. Touches no engine state, so any thread may call it.
 
         A prompt rendered by the chat template already holds its special tokens (BOS
         included, where the template writes it): pass `add_special_tokens=False`.
-        `grammar`: the output must match it (compiled here, once per distinct schema).
+        `grammar`: the output must match it (compiled here, once per tenant and schema;
+        GrammarBusyError when the tenant has its bound of compiles in flight). `guide`:
+        instead, a guide the caller got from `self.grammars` itself.
         `tenant`: whose work it is (the scheduler shares each step's prefill budget fairly
         between tenants; None: anonymous).
         """
@@ -136,11 +139,10 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", "stop")
-        guide = None
-        if grammar is not None:
+        if grammar is not None and guide is None:
             if self.grammars is None:
                 raise InvalidRequestError("structured outputs need a tokenizer", grammar.param)
-            guide = self.grammars.guide(grammar)
+            guide = self.grammars.guide(grammar, tenant)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(
             rid,
@@ -269,7 +271,8 @@ class LLMEngine:
             try:
                 req.append_token(token.token_id)
                 if req.guide is not None and not req.guide.accept(token.token_id):
-                    raise RuntimeError(f"token {token.token_id} breaks the request's grammar")
+                    why = req.guide.error or f"token {token.token_id} breaks it"
+                    raise RuntimeError(f"the request's grammar failed: {why}")
                 self.num_generated_tokens += 1
                 if req.first_token_time is None:
                     req.first_token_time = now
