@@ -5,7 +5,8 @@ Handlers are module-level functions over the `WorkerService`, which Litestar inj
 `workers.api.validation`, decoding in `workers.api.types`, mapping in `openai_format`,
 state and admission in `WorkerService`, responses in `responses`, and generation itself
 in the engine thread. Errors leave through the exception handlers below, in the OpenAI
-shape: `ApiError` as it is, the engine's `InvalidRequestError` as a 400 naming the field.
+shape: `ApiError` as it is, the engine's `InvalidRequestError` as a 400 naming the field,
+its `GrammarBusyError` (a tenant's schema compiles at their bound) as a 429.
 Control endpoints (/drain) are guarded by the worker's control key.
 """
 
@@ -28,13 +29,19 @@ from workers.api.sse import EventStream
 from workers.api.types import ApiError, ChatCompletionRequest, CompletionRequest, decode_request
 from workers.api.validation import check_body_size, check_json_depth, check_request
 from workers.engine.async_engine import AsyncEngine
+from workers.engine.grammar_cache import GrammarBusyError
 from workers.engine.request import Request as EngineRequest
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.structured import GrammarSpec
+from workers.engine.structured import GrammarSpec, Guide
 from workers.errors import InvalidRequestError
 from workers.server.openai_format import ResponseBuilder, chat_prompt, grammar_of, sampling_params
 from workers.server.responses import collect, exit_when_idle, sse_stream, until_done_or_disconnect
-from workers.server.service import WorkerService, bearer_matches, retry_after_headers
+from workers.server.service import (
+    WorkerService,
+    bearer_matches,
+    jittered_retry_after,
+    retry_after_headers,
+)
 from workers.server.tools import plan_tools
 
 log = logging.getLogger(__name__)
@@ -58,6 +65,7 @@ def create_worker_app(service: WorkerService, on_startup: list[Callable] | None 
         exception_handlers={
             ApiError: _api_error,
             InvalidRequestError: _invalid_request,
+            GrammarBusyError: _grammar_busy,
             HTTPException: _http_error,
             Exception: _server_error,
         },
@@ -177,6 +185,20 @@ def _invalid_request(request: Request, exc: InvalidRequestError) -> Response:
     return _error_response(ApiError(400, exc.message, param=param, code=exc.code))
 
 
+def _grammar_busy(request: Request, exc: GrammarBusyError) -> Response:
+    """The tenant has its bound of schema compiles in flight: 429 with Retry-After (its
+    schemas already compiled are still served)."""
+    service: WorkerService = request.app.state.service
+    cfg = service.config
+    service.metrics.rejected.labels(service.metrics.model, "grammar_compiles").inc()
+    retry = jittered_retry_after(cfg.retry_after_s, cfg.retry_after_jitter_s, service.rng)
+    return _error_response(
+        ApiError(
+            429, str(exc), type="rate_limit_error", code="too_many_compiles", retry_after_s=retry
+        )
+    )
+
+
 def _http_error(request: Request, exc: HTTPException) -> Response:
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     code = "request_too_large" if exc.status_code == 413 else None
@@ -231,10 +253,12 @@ async def _submit(
     else:
         prompt = _completion_prompt(body.prompt)
     grammar = grammar_of(body, tools)
+    # A schema the tenant has compiled is a look-up and a copy (microseconds); a new one
+    # compiles off the event loop (milliseconds to a second), in the compiler's build lane.
+    guide = e.grammars.cached(grammar, body.cache_salt) if grammar and e.grammars else None
     make = _make_engine_request
-    args = (service, engine, prompt, params, body, chat, grammar)
-    # A new schema compiles off the event loop (milliseconds, a second for the first).
-    engine_req = await asyncio.to_thread(make, *args) if grammar else make(*args)
+    args = (service, engine, prompt, params, body, chat, grammar, guide)
+    engine_req = await asyncio.to_thread(make, *args) if grammar and not guide else make(*args)
     reqs = [engine_req] + [
         e.fork(engine_req, f"{engine_req.request_id}-{i}", _sample_seed(params.seed, i))
         for i in range(1, body.n)
@@ -279,6 +303,7 @@ def _make_engine_request(
     body: CompletionRequest | ChatCompletionRequest,
     chat: bool,
     grammar: GrammarSpec | None,
+    guide: Guide | None,
 ) -> EngineRequest:
     """Tokenize and validate (InvalidRequestError, a 400 by the handler above)."""
     e = engine.engine
@@ -309,5 +334,6 @@ def _make_engine_request(
         tenant=body.cache_salt,
         cache_salt=body.cache_salt,
         grammar=grammar,
+        guide=guide,
         **kwargs,
     )

@@ -2,8 +2,9 @@
 
 Names follow vLLM's where the meaning is the same, prefixed `switchyard_worker_`.
 Engine state (queue lengths, KV usage, cumulative engine counters) is the snapshot the
-engine thread last published, read at scrape time by a collector; per-request latencies
-are observed by the server as they happen.
+engine thread last published, read at scrape time by a collector, and so is the grammar
+cache's (`GrammarCacheStats`, published by its compiler at each change); per-request
+latencies are observed by the server as they happen.
 """
 
 from collections.abc import Callable, Iterator
@@ -12,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from workers.engine.grammar_cache import GrammarCacheStats
 from workers.engine.stats import EngineStats
 
 P = "switchyard_worker_"
@@ -71,6 +73,50 @@ class EngineCollector(Collector):
         )
 
 
+class GrammarCacheCollector(Collector):
+    """Reports the grammar cache's last published stats: its bytes in total and per tenant
+    (the gateway's salt; `anonymous` without one) against their bounds, its entries, and
+    what compiles did. An entry's bytes are its build's measured bytes plus the room its
+    lexer has to grow."""
+
+    GAUGES = (
+        ("grammar_cache_bytes", "Bytes charged to cached grammars.", "num_bytes"),
+        ("grammar_cache_limit_bytes", "Bound on cached grammar bytes.", "max_bytes"),
+        ("grammar_cache_tenant_limit_bytes", "Bound on a tenant's.", "max_tenant_bytes"),
+        ("grammar_cache_entries", "Cached grammars.", "num_entries"),
+    )
+    COUNTERS = (
+        ("grammar_compiles", "JSON schemas compiled.", "num_compiles"),
+        ("grammar_cache_hits", "Requests served a cached grammar.", "num_hits"),
+        ("grammar_cache_evictions", "Grammars evicted to stay in bounds.", "num_evictions"),
+        ("grammar_uncached", "Grammars over a tenant's bound, not kept.", "num_uncached"),
+        ("grammar_compiles_refused", "Compiles refused (429): too many in flight.", "num_refused"),
+        ("grammar_compile_seconds", "Time spent compiling.", "compile_s"),
+    )
+
+    def __init__(self, stats: Callable[[], GrammarCacheStats | None], model: str) -> None:
+        self._stats = stats
+        self._model = model
+
+    def collect(self) -> Iterator:
+        stats = self._stats()
+        if stats is None:
+            return
+        for kind, table in ((GaugeMetricFamily, self.GAUGES), (CounterMetricFamily, self.COUNTERS)):
+            for name, doc, attr in table:
+                family = kind(P + name, doc, labels=["model_name"])
+                family.add_metric([self._model], getattr(stats, attr))
+                yield family
+        per_tenant = GaugeMetricFamily(
+            P + "grammar_cache_tenant_bytes",
+            "Bytes charged to one tenant's cached grammars.",
+            labels=["model_name", "tenant"],
+        )
+        for tenant, num_bytes in sorted(stats.tenant_bytes.items()):
+            per_tenant.add_metric([self._model, tenant or "anonymous"], num_bytes)
+        yield per_tenant
+
+
 class WorkerMetrics:
     """Request-level metrics, observed by the HTTP server."""
 
@@ -106,6 +152,10 @@ class WorkerMetrics:
         self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.")
         self.prefill = hist("request_prefill_time_seconds", "First scheduled to first token.")
         self.decode = hist("request_decode_time_seconds", "First token to finish.")
+
+    def watch_grammars(self, stats: Callable[[], GrammarCacheStats | None]) -> None:
+        """Report the grammar cache whose stats `stats` returns (None: no engine yet)."""
+        self.registry.register(GrammarCacheCollector(stats, self.model))
 
     def observe_finished(
         self,

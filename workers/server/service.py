@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from workers.api.types import ApiError, LoadReport, WorkerState
 from workers.engine.async_engine import AsyncEngine
+from workers.engine.grammar_cache import GrammarCacheStats
 from workers.server.admission import backlog
 from workers.server.config import WorkerConfig
 from workers.server.logprobs import TokenTexts
@@ -65,6 +66,7 @@ class WorkerService:
         self._progress = "ok"  # the watch's last verdict, for logging its changes
         if engine is not None:
             engine.add_death_callback(self._engine_died)
+        metrics.watch_grammars(self._grammar_stats)
 
     @property
     def model_name(self) -> str:
@@ -73,6 +75,11 @@ class WorkerService:
     def set_engine(self, engine: AsyncEngine) -> None:
         self.engine = engine
         engine.add_death_callback(self._engine_died)
+
+    def _grammar_stats(self) -> GrammarCacheStats | None:
+        """What the engine's grammar compiler last published (None: no engine or tokenizer)."""
+        grammars = getattr(self.engine.engine, "grammars", None) if self.engine else None
+        return grammars.stats if grammars is not None else None
 
     def _engine_died(self, error: BaseException) -> None:
         """The engine thread is gone: /ready is 503 (stalled) until the process exits."""
