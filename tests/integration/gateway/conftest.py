@@ -59,6 +59,24 @@ class Stack:
             return c.get("/v1/usage").json()
 
 
+def run_on_clients(redis_url: str, wrap, body, num_clients: int = 1):  # noqa: ANN001, ANN201
+    """`asyncio.run(body(*objects))` on a flushed Redis, each object `wrap(client)` over its
+    own client (as from several gateways); the clients are closed after."""
+    import redis.asyncio as aioredis
+
+    _flush(redis_url)
+
+    async def main():  # noqa: ANN202
+        clients = [aioredis.Redis.from_url(redis_url) for _ in range(num_clients)]
+        try:
+            return await body(*[wrap(c) for c in clients])
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    return asyncio.run(main())
+
+
 def _flush(url: str) -> None:
     import redis
 

@@ -5,12 +5,11 @@ through several clients (as from several gateways); the stream's bound; tenants 
 import asyncio
 
 import msgspec
-import redis.asyncio as aioredis
 
 from cascade.labels import Label
 from cascade.policy import LearningSettings
 from gateway.learning.label_store import LabelStore, Verdict
-from tests.integration.gateway.conftest import _flush
+from tests.integration.gateway.conftest import run_on_clients
 
 SETTINGS = LearningSettings(keep_prompts=True, max_labels=1000)
 
@@ -28,18 +27,8 @@ def _label(request_id: str, source: str, ok: bool, at: float, tenant: str = "acm
     )
 
 
-def _run(redis_url: str, body, num_clients: int = 1):  # noqa: ANN001
-    _flush(redis_url)
-
-    async def main():  # noqa: ANN202
-        clients = [aioredis.Redis.from_url(redis_url) for _ in range(num_clients)]
-        try:
-            return await body(*[LabelStore(c) for c in clients])
-        finally:
-            for c in clients:
-                await c.aclose()
-
-    return asyncio.run(main())
+def _run(redis_url: str, body, num_clients: int = 1):  # noqa: ANN001, ANN202
+    return run_on_clients(redis_url, LabelStore, body, num_clients)
 
 
 def test_a_request_keeps_one_label_per_source_the_first(redis_url):

@@ -7,28 +7,16 @@ import asyncio
 import math
 import random
 
-import redis.asyncio as aioredis
-
 from gateway.learning.shadow_budget import ShadowBudget, demands_of, fair_shares, may_take
-from tests.integration.gateway.conftest import _flush
+from tests.integration.gateway.conftest import run_on_clients
 
 RUN = 10  # tokens of one shadow run
 LIMIT = 10 * RUN
 T0 = 1_800_000_000.0  # the start of a minute
 
 
-def _run(redis_url: str, body, num_clients: int = 1):  # noqa: ANN001
-    _flush(redis_url)
-
-    async def main():  # noqa: ANN202
-        clients = [aioredis.Redis.from_url(redis_url) for _ in range(num_clients)]
-        try:
-            return await body(*[ShadowBudget(c) for c in clients])
-        finally:
-            for c in clients:
-                await c.aclose()
-
-    return asyncio.run(main())
+def _run(redis_url: str, body, num_clients: int = 1):  # noqa: ANN001, ANN202
+    return run_on_clients(redis_url, ShadowBudget, body, num_clients)
 
 
 async def _ask(budget: ShadowBudget, pattern: str, now_s: float) -> dict[str, int]:
