@@ -107,24 +107,13 @@ def test_the_event_loop_keeps_answering_while_the_largest_accepted_answer_is_bui
     assert max(gaps) < 0.2, f"/load took {max(gaps):.3f} s while the answer was built"
 
 
-ADMIN = "admin-answer-bounds"
-
-
 def test_a_gateway_counts_its_default_max_tokens_in_the_bound_and_refuses_before_any_worker(
     worker, monkeypatch
 ):
     """A request with no max_tokens gets the gateway's default_max_tokens on its way to the
     worker, so the gateway bounds the answer with it: 16 x 1024 x 21 entries is refused at
     the gateway (charged nothing, no worker sees it), as the worker would refuse it."""
-    import tempfile
-
-    import redis
-
-    from gateway.app import create_gateway_app
-    from gateway.config import GatewayConfig
-    from gateway.runtime.main import build_gateway
-    from tests.support.redis_server import redis_url as start_redis
-    from tests.support.servers import serving
+    from tests.support.gateway import gateway_in_front
     from workers.server import app as worker_app
 
     seen: list[bytes] = []
@@ -135,30 +124,16 @@ def test_a_gateway_counts_its_default_max_tokens_in_the_bound_and_refuses_before
         return decode(service, raw, kind)
 
     monkeypatch.setattr(worker_app, "_decode", counting)
-    with start_redis() as redis_url, tempfile.TemporaryDirectory() as data_dir:
-        redis.Redis.from_url(redis_url).flushdb()
-        cfg = GatewayConfig(
-            pools={"small": [worker.url]},
-            data_dir=data_dir,
-            admin_key=ADMIN,
-            default_max_tokens=1024,
-        )
-        with serving(create_gateway_app(build_gateway(cfg, redis_url))) as url:
-            admin = {"authorization": f"Bearer {ADMIN}"}
-            r = httpx.post(f"{url}/admin/tenants", json={"tenant_id": "t"}, headers=admin)
-            assert r.status_code == 201, r.text
-            key = httpx.post(
-                f"{url}/admin/tenants/t/keys", json={"name": "k"}, headers=admin
-            ).json()["key"]
-            body = {"model": "small", "messages": MESSAGES, "n": 16, "logprobs": True,
-                    "top_logprobs": 20}  # fmt: skip
-            r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60,
-                           headers={"authorization": f"Bearer {key}"})  # fmt: skip
+    with gateway_in_front({"small": [worker.url]}, default_max_tokens=1024) as front:
+        body = {"model": "small", "messages": MESSAGES, "n": 16, "logprobs": True,
+                "top_logprobs": 20}  # fmt: skip
+        with front.client() as client:
+            r = client.post("/v1/chat/completions", json=body)
             assert r.status_code == 400, r.text
             error = r.json()["error"]
             assert (error["param"], error["code"]) == ("top_logprobs", "logprobs_too_large")
             assert "(1024)" in error["message"]
             assert seen == []
-            usage = httpx.get(f"{url}/v1/usage", headers={"authorization": f"Bearer {key}"})
+            usage = client.get("/v1/usage")
             assert usage.status_code == 200, usage.text
             assert usage.json()["tokens_this_minute"] == 0, usage.text

@@ -4,19 +4,15 @@ own output); over HTTP a worker serves it, and refuses (400 naming it) a bias it
 a gateway refuses the same before any worker sees it, and passes a good one through."""
 
 import random
-import tempfile
 
 import httpx
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from gateway.app import create_gateway_app
-from gateway.config import GatewayConfig
-from gateway.runtime.main import build_gateway
 from tests.support.checkpoints import VOCAB, load_reference, reference_greedy
-from tests.support.redis_server import redis_url as start_redis
-from tests.support.servers import serving
+from tests.support.gateway import gateway_in_front
+from tests.support.waiting import eventually
 from tests.support.worker import running_worker
 from workers.engine.config import EngineConfig, SchedulerConfig
 from workers.engine.llm_engine import LLMEngine
@@ -166,9 +162,6 @@ def test_a_worker_refuses_an_openai_field_it_does_not_implement(demo_worker, pat
     assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (field, "unknown_field")
 
 
-ADMIN = "admin-logit-bias"
-
-
 def test_a_gateway_refuses_a_bad_logit_bias_itself_and_passes_a_good_one(demo_worker, monkeypatch):
     worker = demo_worker
     seen: list[bytes] = []
@@ -179,47 +172,27 @@ def test_a_gateway_refuses_a_bad_logit_bias_itself_and_passes_a_good_one(demo_wo
         return decode(service, raw, kind)
 
     monkeypatch.setattr(worker_app, "_decode", counting)
-    with start_redis() as redis_url, tempfile.TemporaryDirectory() as data_dir:
-        import redis
-
-        redis.Redis.from_url(redis_url).flushdb()
-        cfg = GatewayConfig(
-            pools={"small": [worker.url]},
-            data_dir=data_dir,
-            admin_key=ADMIN,
-            load_poll_interval_s=0.05,
-        )
-        gw = build_gateway(cfg, redis_url)
-        with serving(create_gateway_app(gw)) as url:
-            for _ in range(400):
-                if gw.pools["small"].model_limits()[0] is not None:
-                    break
-                httpx.get(f"{url}/ready")
-            vocab = gw.pools["small"].model_limits()[0]
-            assert vocab == worker.service.vocab_size
-            admin = {"authorization": f"Bearer {ADMIN}"}
-            r = httpx.post(f"{url}/admin/tenants", json={"tenant_id": "t"}, headers=admin)
-            assert r.status_code == 201, r.text
-            key = httpx.post(
-                f"{url}/admin/tenants/t/keys", json={"name": "k"}, headers=admin
-            ).json()["key"]
-            client = httpx.Client(
-                base_url=url, headers={"authorization": f"Bearer {key}"}, timeout=60
-            )
-            body = {"model": "small", "prompt": "The quick brown fox", "max_tokens": 8,
-                    "temperature": 0}  # fmt: skip
-            for bad in ({str(vocab): 1}, {"5": 250}, {str(i): 1 for i in range(301)}):
-                r = client.post("/v1/completions", json={**body, "logit_bias": bad})
-                assert r.status_code == 400, r.text
-                assert r.json()["error"]["param"] == "logit_bias"
-            r = client.post("/v1/completions", json={**body, "suffix": "!"})
-            assert (r.status_code, r.json()["error"]["param"]) == (400, "suffix")
-            assert seen == []  # the worker never saw any of them
-            plain = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
-            good = {**body, "logit_bias": {"300": 100}}
-            via_gateway = client.post("/v1/completions", json=good)
-            assert via_gateway.status_code == 200, via_gateway.text
-            direct = httpx.post(f"{worker.url}/v1/completions", json=good, timeout=60)
-            text = via_gateway.json()["choices"][0]["text"]
-            assert text == direct.json()["choices"][0]["text"] != plain
-            assert b'"logit_bias"' in seen[-2]  # the gateway sent it on
+    with gateway_in_front({"small": [worker.url]}, load_poll_interval_s=0.05) as front:
+        pool = front.gateway.pools["small"]
+        # The gateway learns the vocabulary from its first load poll.
+        assert eventually(lambda: pool.model_limits()[0] is not None)
+        vocab = pool.model_limits()[0]
+        assert vocab == worker.service.vocab_size
+        client = front.client()
+        body = {"model": "small", "prompt": "The quick brown fox", "max_tokens": 8,
+                "temperature": 0}  # fmt: skip
+        for bad in ({str(vocab): 1}, {"5": 250}, {str(i): 1 for i in range(301)}):
+            r = client.post("/v1/completions", json={**body, "logit_bias": bad})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "logit_bias"
+        r = client.post("/v1/completions", json={**body, "suffix": "!"})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "suffix")
+        assert seen == []  # the worker never saw any of them
+        plain = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        good = {**body, "logit_bias": {"300": 100}}
+        via_gateway = client.post("/v1/completions", json=good)
+        assert via_gateway.status_code == 200, via_gateway.text
+        direct = httpx.post(f"{worker.url}/v1/completions", json=good, timeout=60)
+        text = via_gateway.json()["choices"][0]["text"]
+        assert text == direct.json()["choices"][0]["text"] != plain
+        assert b'"logit_bias"' in seen[-2]  # the gateway sent it on
