@@ -183,6 +183,23 @@ class LoadReport(msgspec.Struct):
     model: str
     max_model_len: int
     vocab_size: int | None = None  # token ids must be below it; None: unknown (external server)
+    # The capacity model (workers/engine/step_model.py); None/empty: not measured (still
+    # learning, or an external server). `seats`: sequences the running batch may hold
+    # within `itl_target_s`; `decode_step_s`: predicted seconds per output token with the
+    # batch full; `prefill_tokens_per_s`: prompt tokens a step computes per second beside
+    # the batch; `step_s`: recent mean step time, measured. `running_remaining`: output
+    # tokens each running request may still generate (its max_tokens left);
+    # `waiting_max_tokens`: each waiting request's max_tokens, in order (the prompt tokens
+    # left of each are in queued_prompt_tokens, summed); `running_prefill_tokens`: prompt
+    # tokens the running requests have yet to compute (chunked prefills under way).
+    seats: int | None = None
+    itl_target_s: float | None = None
+    decode_step_s: float | None = None
+    prefill_tokens_per_s: float | None = None
+    step_s: float | None = None
+    running_remaining: list[int] = []
+    running_prefill_tokens: int = 0  # prompt tokens the running requests have yet to compute
+    waiting_max_tokens: list[int] = []
 
 
 class ErrorInfo(msgspec.Struct):

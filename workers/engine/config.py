@@ -27,6 +27,14 @@ class SchedulerConfig:
     # with this half-life in steps. So one tenant's queue of long prompts cannot hold back
     # another tenant's first token; within a tenant the order is unchanged.
     fair_share_half_life_steps: int = 64
+    # The inter-token latency the batch is bounded by: the engine learns what a step costs
+    # (`workers.engine.step_model`) and admits a sequence into the running batch only while
+    # the predicted decode step stays within this, and shortens prefill chunks so a step
+    # carrying one does too. None: the batch is bounded by max_num_seqs and the token
+    # budget alone. `itl_headroom`: the fraction of the target a predicted step may take
+    # (a step's time varies; the target is a p99).
+    itl_target_s: float | None = None
+    itl_headroom: float = 0.8
 
 
 @dataclass

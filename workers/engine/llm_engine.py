@@ -17,6 +17,7 @@ from workers.engine.request import FinishReason, Request, RequestStatus
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
 from workers.engine.stats import EngineStats
+from workers.engine.step_model import StepModel
 from workers.engine.structured import GrammarCompiler, GrammarSpec, Guide
 from workers.engine.tokenizer import CheckpointTokenizer
 from workers.errors import ContextLengthError, EngineStepError, InvalidRequestError
@@ -51,7 +52,8 @@ class LLMEngine:
         if sched.attention_parity_context is None:
             parity = max(1, runner.model_config.attention_parity_context // 2)
             sched = replace(sched, attention_parity_context=parity)
-        self.scheduler = Scheduler(sched, self.kv, clock)
+        self.step_model = StepModel()
+        self.scheduler = Scheduler(sched, self.kv, clock, self.step_model)
         self.max_model_len = min(runner.max_model_len, runner.kv_capacity_tokens)
         eos = tokenizer.eos_token_ids if tokenizer else runner.model_config.eos_token_ids
         self.eos_token_ids: tuple[int, ...] = eos
@@ -247,6 +249,7 @@ class LLMEngine:
         the others go on; raises EngineStepError only for a failure no request explains.
         """
         sched = self.scheduler
+        started = time.perf_counter()
         self._release_forks()
         out = sched.schedule()
         outputs = [self._output(req, [], None) for req in out.expired]
@@ -254,6 +257,8 @@ class LLMEngine:
             return outputs
         if self.on_scheduled is not None:
             self.on_scheduled()
+        num_seqs, num_tokens = len(out.scheduled), out.num_scheduled_tokens
+        context = sum(req.num_computed_tokens + n for req, n in out.scheduled)
         tables = {req.request_id: self.kv.block_table(req.request_id) for req, _ in out.scheduled}
         sampled, failed = execute_isolated(
             lambda batch: self.runner.execute(batch, tables), out.scheduled
@@ -281,11 +286,14 @@ class LLMEngine:
                 outputs.append(self._output(req, [token.token_id], lps))
             except Exception as exc:  # stop checks, detokenization: this request only
                 outputs.append(self._fail(req, exc, "detokenize"))
+        self.step_model.observe(num_seqs, num_tokens, context, time.perf_counter() - started)
         return outputs
 
     def stats(self, now: float) -> EngineStats:
         """A snapshot for other threads, taken at `now`; only the engine's thread calls it."""
         sched, kv = self.scheduler, self.kv
+        seats = sched.seats()
+        decode_step_s, prefill_per_s = self._capacity(seats)
         return EngineStats(
             time_s=now,
             num_steps=sched.step_count,
@@ -302,7 +310,36 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions,
             num_failed_requests=self.num_failed_requests,
             num_generated_tokens=self.num_generated_tokens,
+            seats=seats,
+            itl_target_s=sched.config.itl_target_s,
+            step_fit=self.step_model.fit,
+            decode_step_s=decode_step_s,
+            prefill_tokens_per_s=prefill_per_s,
+            recent_step_s=self.step_model.recent_step_s(),
+            running_remaining=tuple(
+                [r.params.max_tokens - r.num_output_tokens for r in sched.running]
+            ),
+            waiting_max_tokens=tuple([r.params.max_tokens for r in sched.waiting]),
+            running_prefill_tokens=sum(
+                [max(0, r.num_tokens - r.num_computed_tokens - 1) for r in sched.running]
+            ),
         )
+
+    def _capacity(self, seats: int) -> tuple[float | None, float | None]:
+        """(seconds a decode step takes with `seats` sequences, prompt tokens per second a
+        step computes beside the running batch), from the step model; (None, None) until
+        it has learned."""
+        fit = self.step_model.fit
+        if fit is None:
+            return None, None
+        context_per_seq = self.step_model.context_per_seq()
+        decode_s = fit.predict(seats, seats, round(seats * context_per_seq))
+        running = self.scheduler.running
+        budget = self.scheduler.token_budget()
+        context = sum(r.num_computed_tokens for r in running)
+        step_s = fit.predict(len(running) + 1, budget, context)
+        prefill_tokens = max(1, budget - len(running))
+        return decode_s, (prefill_tokens / step_s if step_s > 0 else None)
 
     def _count_failed_step(
         self, num_failed: int, num_scheduled: int, failed: list[tuple[Request, Exception]]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from kvcache import KVCacheManager
 from workers.engine.config import SchedulerConfig
 from workers.engine.request import FinishReason, Request, RequestStatus
+from workers.engine.step_model import StepModel
 
 
 @dataclass
@@ -135,8 +136,12 @@ class Scheduler:
         config: SchedulerConfig,
         kv: KVCacheManager,
         clock: Callable[[], float],
+        step_model: StepModel | None = None,
     ) -> None:
         self.config = config
+        # What a step costs, learned by the engine; with `config.itl_target_s` it bounds
+        # the batch (`seats`) and each step's tokens (`token_budget`).
+        self.step_model = step_model
         self.kv = kv
         self.clock = clock
         self.waiting: list[Request] = []  # index 0 is the head of the queue
@@ -145,6 +150,8 @@ class Scheduler:
         self.step_count = 0
         self.num_preemptions = 0
         self.service = TenantService(config.fair_share_half_life_steps)
+        self._seats = config.max_num_seqs  # this step's `seats()`
+        self._budget = config.max_num_batched_tokens  # this step's `token_budget()`
 
     @property
     def num_waiting(self) -> int:
@@ -156,6 +163,39 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def _step_bound_s(self) -> float | None:
+        """The time a step may be predicted to take (ITL target x headroom); None: unbounded
+        (no target, or the step model has not learned yet)."""
+        target = self.config.itl_target_s
+        if target is None or self.step_model is None or self.step_model.fit is None:
+            return None
+        return target * self.config.itl_headroom
+
+    def seats(self) -> int:
+        """Sequences the running batch may hold: `max_num_seqs`, or fewer where a decode
+        step of more would pass the ITL target. Running sequences past it are not
+        preempted; admissions wait until the batch is below it."""
+        bound = self._step_bound_s()
+        cap = self.config.max_num_seqs
+        if bound is None:
+            return cap
+        assert self.step_model is not None and self.step_model.fit is not None
+        return self.step_model.fit.max_seqs(bound, cap, self.step_model.context_per_seq())
+
+    def token_budget(self) -> int:
+        """Tokens the next step may compute: `max_num_batched_tokens`, or fewer where a
+        step that long, with the running batch and one admission, would pass the ITL
+        target (a long prompt is then prefilled in shorter chunks, and everyone's next
+        token still comes in time). Never fewer than the running decodes plus one."""
+        cap = self.config.max_num_batched_tokens
+        bound = self._step_bound_s()
+        if bound is None:
+            return cap
+        assert self.step_model is not None and self.step_model.fit is not None
+        context = sum(r.num_computed_tokens for r in self.running)
+        num_seqs = len(self.running) + 1
+        return self.step_model.fit.max_tokens(bound, num_seqs, max(cap, num_seqs), context)
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -169,7 +209,9 @@ class Scheduler:
         out = SchedulerOutput()
         waiting = self._waiting_order()
         self._expire(waiting, out)
-        step = _Step(self.config.max_num_batched_tokens)
+        self._budget = self.token_budget()
+        self._seats = self.seats()
+        step = _Step(self._budget)
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         for req in decodes:
             self._schedule_running(req, step, out)
@@ -276,7 +318,7 @@ class Scheduler:
         """Admit a waiting request with its first prefill chunk; False when it finds no seat,
         no budget or no KV (it stays at the head of the queue)."""
         cfg = self.config
-        if len(self.running) + len(step.admitted) >= cfg.max_num_seqs:
+        if len(self.running) + len(step.admitted) >= self._seats:
             return False
         hits, num_hit = self.kv.get_computed_blocks(req)
         chunked = self._may_chunk(req)
@@ -314,8 +356,9 @@ class Scheduler:
     def _may_chunk(self, req: Request) -> bool:
         # Without chunked prefill, a request longer than a whole step (a preempted one whose
         # output grew past the budget) would wait forever at the head of the queue.
+        # The same when the ITL bound shortened this step's budget below a prompt.
         cfg = self.config
-        return cfg.enable_chunked_prefill or req.num_tokens > cfg.max_num_batched_tokens
+        return cfg.enable_chunked_prefill or req.num_tokens > self._budget
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)

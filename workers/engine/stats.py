@@ -9,6 +9,8 @@ the scheduler's lists or the KV pool, which the engine thread mutates.
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from workers.engine.step_model import StepFit
+
 
 @dataclass(frozen=True)
 class QueueSnapshot:
@@ -41,6 +43,19 @@ class EngineStats:
     num_preemptions: int  # requests preempted (recomputed) for lack of KV blocks
     num_failed_requests: int  # requests the engine failed alone
     num_generated_tokens: int  # output tokens sampled
+    # The capacity model (`workers.engine.step_model`): seats the ITL target allows now,
+    # the fitted step cost (None until learned), recent mean step seconds, and the work
+    # behind the seats: output tokens each running request may still generate (max_tokens
+    # left), and each waiting request's max_tokens.
+    seats: int = 0
+    itl_target_s: float | None = None  # the scheduler's (engine.scheduler.itl_target_s)
+    step_fit: StepFit | None = None
+    recent_step_s: float | None = None
+    decode_step_s: float | None = None  # predicted, with `seats` decoding
+    prefill_tokens_per_s: float | None = None  # predicted, beside the running batch
+    running_remaining: tuple[int, ...] = ()
+    running_prefill_tokens: int = 0  # prompt tokens the running requests have yet to compute
+    waiting_max_tokens: tuple[int, ...] = ()
 
     @property
     def num_waiting(self) -> int:
@@ -66,7 +81,7 @@ class EngineStats:
         return QueueSnapshot(
             waiting_tokens=[*self.waiting_tokens, *arrivals],
             num_running=self.num_running,
-            max_num_seqs=self.max_num_seqs,
+            max_num_seqs=self.seats or self.max_num_seqs,
             free_kv_tokens=self.free_kv_tokens,
             block_size=self.block_size,
         )

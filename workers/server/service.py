@@ -37,6 +37,10 @@ def jittered_retry_after(base_s: float, jitter_s: float, rng: random.Random) -> 
     return base_s + rng.uniform(0.0, jitter_s)
 
 
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 6)
+
+
 class WorkerService:
     """Holds the engine (None while loading) and decides state and admission."""
 
@@ -186,6 +190,14 @@ class WorkerService:
             model=self.model_name,
             max_model_len=engine.engine.max_model_len,
             vocab_size=self.vocab_size,
+            seats=stats.seats or None,
+            itl_target_s=stats.itl_target_s,
+            decode_step_s=_rounded(stats.decode_step_s),
+            prefill_tokens_per_s=_rounded(stats.prefill_tokens_per_s),
+            step_s=_rounded(stats.recent_step_s),
+            running_remaining=list(stats.running_remaining),
+            running_prefill_tokens=stats.running_prefill_tokens,
+            waiting_max_tokens=list(stats.waiting_max_tokens),
         )
 
     def token_texts(self) -> TokenTexts:
