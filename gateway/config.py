@@ -28,6 +28,24 @@ class GatewayConfig:
     # request's deadline. Set it near the unloaded TTFT to keep accepted requests prompt.
     queue_max_wait_s: float | None = None
     queue_reserve_fraction: float = 0.125  # slots kept for tenants under their fair share
+    # Latency targets (gateway/capacity/predictor.py): per pool, the time to first token a
+    # request it accepts must get. Admission predicts each request's TTFT from what the
+    # replicas measure (seats, step time, prefill rate, the work ahead in tokens, replicas
+    # still starting) and refuses at once (503 over_capacity, Retry-After from the
+    # prediction) what would miss it; a request it queues is refused before any token if
+    # its latest start passes. A pool not named here: counts and deadlines only. The ITL
+    # target is the workers' (engine.scheduler.itl_target_s bounds their batch).
+    ttft_target_s: dict[str, float] = field(default_factory=dict)
+    # A request's `priority` (lower is more urgent) scales its pool's TTFT target; one
+    # outside these takes the nearest. A tenant may ask no more urgency than its limits'
+    # `priority_ceiling` (default 0).
+    priority_ttft_scale: dict[int, float] = field(
+        default_factory=lambda: {-1: 0.5, 0: 1.0, 1: 2.0, 2: 4.0}
+    )
+    # How long a replica takes from joining to ready, until the pool has measured one.
+    replica_start_estimate_s: float = 30.0
+    # This process's share of each replica's seats (1/N in a group of N; set by the group).
+    seat_share: float = 1.0
     # The door (gateway/capacity/door.py): with several tenants active, those over their share of
     # the last door_window_s's admissions are held to a number of requests in flight that
     # halves while the others' latency (arrival to reservation) is door_tolerance_s over

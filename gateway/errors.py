@@ -7,7 +7,7 @@ from typing import Any
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from gateway.capacity.admission import DeadlineExceeded, QueueFull
+from gateway.capacity.admission import DeadlineExceeded, OverCapacity, QueueFull
 from gateway.capacity.lease import NoReplica
 from gateway.serving.dispatch import Refused
 from quota.errors import (
@@ -59,6 +59,14 @@ def to_api_error(exc: Exception, rng: random.Random) -> ApiError:
             f"the queue is full ({exc.reason}); retry later",
             type="server_error",
             code="server_overloaded",
+            retry_after_s=exc.retry_after_s,
+        )
+    if isinstance(exc, OverCapacity):
+        return ApiError(
+            503,
+            f"{exc}; retry after the Retry-After interval",
+            type="server_error",
+            code="over_capacity",
             retry_after_s=exc.retry_after_s,
         )
     if isinstance(exc, DeadlineExceeded):
@@ -144,6 +152,7 @@ def exception_handlers(rng: random.Random) -> dict[Any, Any]:
             ApiError
             | QuotaUnavailable
             | QueueFull
+            | OverCapacity
             | DeadlineExceeded
             | NoReplica
             | Refused

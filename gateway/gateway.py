@@ -111,9 +111,6 @@ class Gateway:
             if outcome is not None:
                 if self.metrics is not None:
                     self.metrics.observe_outcome(reservation.tenant_id, outcome)
-                for part in outcome.parts:
-                    if part.model in self.pools:
-                        self.pools[part.model].record_tokens(part.completion_tokens)
                 usage = usage_record(
                     request_id=reservation.request_id,
                     key_id=outcome.key_id,

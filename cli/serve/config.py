@@ -34,6 +34,13 @@ class PoolSection:
     # the host's cores split evenly over every pool's ranks at max_replicas (at least one
     # each). A GPU pool's rank gets one GPU of its own.
     cores_per_rank: int | None = None
+    # Latency targets. The gateway refuses at arrival (503 over_capacity, Retry-After) a
+    # request it predicts would get its first token later than ttft_target_s, from what
+    # the replicas measure; the workers bound their running batch so a step, hence every
+    # stream's inter-token gap, stays within itl_target_s (engine.scheduler.itl_target_s).
+    # null: no target (admission by counts and deadlines only; the batch by max_num_seqs).
+    ttft_target_s: float | None = None
+    itl_target_s: float | None = None
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
     worker: dict[str, Any] = field(default_factory=dict)  # WorkerConfig fields
     autoscaler: dict[str, Any] = field(default_factory=dict)  # AutoscalerConfig fields
@@ -136,6 +143,10 @@ def check(cfg: ServeConfig, where: str) -> None:
         ):
             raise SystemExit(f"{at}.cores_per_rank must be a whole number >= 1, or null")
         fill(EngineConfig, pool.engine, f"{at}.engine")
+        for key in ("ttft_target_s", "itl_target_s"):
+            value = getattr(pool, key)
+            if value is not None and (not isinstance(value, int | float) or value <= 0):
+                raise SystemExit(f"{at}.{key} must be a number of seconds > 0, or null")
         from workers.server.config import WorkerConfig
 
         fill(WorkerConfig, pool.worker, f"{at}.worker")

@@ -136,6 +136,8 @@ def worker_launches(
     launches = {}
     for name, pool in cfg.pools.items():
         engine = dict(pool.engine)
+        if pool.itl_target_s is not None:
+            engine["scheduler"] = {**engine.get("scheduler", {}), "itl_target_s": pool.itl_target_s}
         placement = placed.get(name) if placed is not None else None
         if placement is None:
             # Workers share the machine: split the CPUs over the warm replicas.
@@ -182,6 +184,8 @@ def gateway_config(
 ) -> GatewayConfig:
     gc: GatewayConfig = fill(GatewayConfig, dict(cfg.gateway.options), "gateway.options")
     gc.pools = {name: [] for name in cfg.pools}
+    targets = {n: p.ttft_target_s for n, p in cfg.pools.items() if p.ttft_target_s is not None}
+    gc.ttft_target_s = {**targets, **gc.ttft_target_s}  # gateway.options' own win
     gc.tokenizers = {name: str(path) for name, path in model_dirs.items()}
     gc.redis_url = cfg.redis_url
     gc.data_dir = str(data_dir)

@@ -7,10 +7,11 @@ room, and leaves the queue when its deadline passes or its client goes away.
 """
 
 import asyncio
+import itertools
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 
@@ -35,6 +36,28 @@ class NoReplica(Exception):
     def __init__(self, pool: str, retry_after_s: float = 1.0, why: str = "could take") -> None:
         super().__init__(f"no replica of {pool} {why} the request")
         self.pool = pool
+        self.retry_after_s = retry_after_s
+
+
+class OverCapacity(Exception):
+    """The pool cannot give this request its first token within its TTFT target now:
+    refused at arrival (`predicted_s`: the predicted TTFT; the capacity model,
+    `gateway.capacity.predictor`), or while it waited (its latest start passed:
+    `predicted_s` is None). The client may retry after `retry_after_s`."""
+
+    def __init__(
+        self, pool: str, predicted_s: float | None, target_s: float, retry_after_s: float
+    ) -> None:
+        if predicted_s is None:
+            why = "it could not start in time to meet"
+        elif math.isfinite(predicted_s):
+            why = f"its first token is predicted after {predicted_s:.2f} s, past"
+        else:
+            why = "no replica can take it within"
+        super().__init__(f"{pool} is over capacity: {why} the TTFT target of {target_s:.2f} s")
+        self.pool = pool
+        self.predicted_s = predicted_s
+        self.target_s = target_s
         self.retry_after_s = retry_after_s
 
 
@@ -88,6 +111,13 @@ class Ticket:
     enqueued_at: float
     deadline: float  # math.inf for none
     weight: float = 1.0  # the tenant's share relative to others; the latest push wins
+    # Its size, for the capacity model (cost_tokens = prompt_tokens + n * max_tokens).
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    # The latest dispatch that still meets its TTFT target (`Pool.admit`); past it, it
+    # leaves the queue refused (OverCapacity) before any token. inf: no bound.
+    start_by: float = math.inf
+    ttft_target_s: float = math.inf  # the target behind start_by (for the refusal)
 
 
 @dataclass(slots=True)
@@ -140,6 +170,24 @@ class FairQueue:
         if drain_tokens_per_s <= 0:
             return math.inf
         return self._num_tokens / drain_tokens_per_s
+
+    def ahead_of(self, tenant_id: str) -> list[Ticket]:
+        """The waiting tickets a new ticket of `tenant_id` would go after, in about the
+        order they go: all of its tenant's, and of every other tenant as many as its own
+        plus one (fair order takes turns). Deadline order is ignored."""
+        own = self._tenants.get(tenant_id)
+        num_own = len(own.tickets) if own is not None else 0
+        ahead: list[Ticket] = []
+        for other, tenant in self._tenants.items():
+            if other == tenant_id:
+                ahead.extend(tenant.tickets)
+            else:
+                ahead.extend(itertools.islice(tenant.tickets, num_own + 1))
+        return ahead
+
+    def jitter(self) -> float:
+        """A refusal's Retry-After jitter: uniform over [0, retry_after_jitter_s]."""
+        return self._rng.uniform(0.0, self.config.retry_after_jitter_s)
 
     def push(self, ticket: Ticket) -> list[Ticket]:
         """Queue `ticket` at the tail of its tenant's line; the tickets pushed out to make
@@ -203,15 +251,15 @@ class FairQueue:
             plan.append(newest)
             held[victim] -= newest.cost_tokens
             num, tokens = num - 1, tokens - newest.cost_tokens
-        for victim in plan:
-            lane = self._tenants[victim.tenant_id].tickets
+        for pushed_out in plan:
+            lane = self._tenants[pushed_out.tenant_id].tickets
             lane.pop()
-            self._forget(victim)
+            self._forget(pushed_out)
             if not lane:
-                self._retire(victim.tenant_id)
+                self._retire(pushed_out.tenant_id)
         return plan
 
-    def tenants(self) -> Iterable[str]:
+    def tenants(self) -> Collection[str]:
         """Tenants with tickets waiting."""
         return self._tenants.keys()
 
@@ -410,6 +458,7 @@ class AdmissionController:
         max_wait_s = self._queue.config.max_wait_s
         if max_wait_s is not None:
             expires_at = min(expires_at, now + max_wait_s)
+        expires_at = min(expires_at, ticket.start_by)
         if math.isfinite(expires_at):
             timer = loop.call_later(expires_at - now, self._expire, ticket.request_id)
         future: asyncio.Future[None] = loop.create_future()
@@ -532,7 +581,8 @@ class AdmissionController:
         while self._num_unclaimed == 0 and len(self._queue) > 0 and self._has_room():
             # Tenants under their fair share first (a light tenant does not wait out a
             # flood's turns), then fair order among those allowed a slot now.
-            ticket, dropped = None, []
+            ticket: Ticket | None = None
+            dropped: list[Ticket] = []
             under, may_take = self._shares()
             if self._slots is not None and len(self._queue.tenants()) > 1:
                 ticket, dropped = self._queue.pop(under)
@@ -561,7 +611,12 @@ class AdmissionController:
             waiter.timer = loop.call_later(remaining_s, self._expire, request_id)
             return
         self._queue.remove(request_id)
-        self._fail(waiter.ticket)
+        ticket = waiter.ticket
+        error = None
+        if ticket.start_by <= waiter.expires_at < ticket.deadline:
+            wait = self._queue.config.retry_after_s + self._queue.jitter()
+            error = OverCapacity(self.name, None, ticket.ttft_target_s, wait)
+        self._fail(ticket, error)
 
     def _fail(self, ticket: Ticket, error: Exception | None = None) -> None:
         """End a waiting ticket's wait with `error` (default: its deadline passed)."""

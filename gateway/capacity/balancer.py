@@ -32,6 +32,24 @@ class WorkerView:
     vocab_size: int | None = None  # from /load; None: not reported
     joined_at: float = 0.0  # when it joined the pool (the pool's clock, seconds)
     answered: bool = False  # it answered a poll since joining: silent now means lost
+    # Its capacity model, from /load (workers/api/types.py LoadReport); None/empty: not
+    # reported (still learning, or an external server).
+    seats: int | None = None  # the running batch its ITL target allows
+    decode_step_s: float | None = None
+    prefill_tokens_per_s: float | None = None
+    queued_prompt_tokens: int = 0
+    running_prefill_tokens: int = 0
+    running_remaining: tuple[int, ...] = ()
+    waiting_max_tokens: tuple[int, ...] = ()
+    ready_at: float | None = None  # when it was first seen ready (the pool's clock)
+    seen_loading: bool = False  # it reported `loading` (it was seen starting)
+
+    @property
+    def room(self) -> int:
+        """Requests this gateway may have in flight there: its cap, and no more than the
+        seats the replica's ITL target allows (a request past them would wait in the
+        worker's line, where no latency target holds)."""
+        return self.max_inflight if self.seats is None else min(self.max_inflight, self.seats)
 
 
 # A replica in one of these states takes requests now or will soon (a busy one is ready).
@@ -49,8 +67,8 @@ def prefix_key(text_or_tokens_prefix: str | list[int], num_chars: int = 512) -> 
 
 
 def has_room(w: WorkerView) -> bool:
-    """Ready, and under this gateway's in-flight cap."""
-    return w.state == "ready" and w.inflight < w.max_inflight
+    """Ready, and under this gateway's in-flight cap and the replica's seats."""
+    return w.state == "ready" and w.inflight < w.room
 
 
 def is_live(w: WorkerView, now: float, start_grace_s: float) -> bool:

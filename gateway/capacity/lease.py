@@ -14,7 +14,13 @@ States: new -> queued -> granted (holds the turn, and a worker slot when one had
 import asyncio
 from collections.abc import Collection
 
-from gateway.capacity.admission import NoReplica, Ticket
+from gateway.capacity.admission import (
+    DeadlineExceeded,
+    NoReplica,
+    OverCapacity,
+    QueueFull,
+    Ticket,
+)
 from gateway.capacity.balancer import WorkerView
 from gateway.capacity.pool import Pool
 
@@ -50,12 +56,18 @@ class Lease:
         return self._state == "granted"
 
     def enqueue(self) -> None:
-        """Join the pool's fair queue. Raises QueueFull, DeadlineExceeded or (no live
-        replica in the pool) NoReplica at once, before any response has started, so the
+        """Join the pool's fair queue. Raises OverCapacity (predicted to miss its TTFT
+        target), QueueFull, DeadlineExceeded or (no live replica in the pool) NoReplica
+        at once, before any response has started, so the
         client gets the real status."""
         assert self._state == "new"
         self.pool.record_arrival()
-        self._future = self.pool.controller.enqueue(self.ticket)
+        try:
+            self.pool.admit(self.ticket)
+            self._future = self.pool.controller.enqueue(self.ticket)
+        except (OverCapacity, QueueFull, DeadlineExceeded, NoReplica) as exc:
+            self.pool.count_refusal(exc)
+            raise
         if self._future is None:
             self._grant()
         else:
@@ -69,8 +81,12 @@ class Lease:
             self._state = "waiting"
             try:
                 await self.pool.controller.wait(self.ticket, self._future)
-            except BaseException:
+            except (OverCapacity, QueueFull, DeadlineExceeded, NoReplica) as exc:
                 self._state = "released"  # the controller already took the ticket out
+                self.pool.count_refusal(exc)
+                raise
+            except BaseException:
+                self._state = "released"
                 raise
             if self._state == "released":  # released by its owner while the turn came
                 self.pool.controller.release(self.ticket)

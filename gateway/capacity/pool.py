@@ -2,12 +2,29 @@
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Collection
 
-from gateway.capacity.admission import AdmissionController, FairQueue, QueueConfig
+from gateway.capacity.admission import (
+    AdmissionController,
+    DeadlineExceeded,
+    FairQueue,
+    OverCapacity,
+    QueueConfig,
+    QueueFull,
+    Ticket,
+)
 from gateway.capacity.balancer import WorkerView, choose_worker, has_room, is_live
+from gateway.capacity.predictor import (
+    NEVER,
+    Prediction,
+    ReplicaCapacity,
+    Work,
+    predict,
+    retry_after_s,
+)
 from workers.api.client import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -28,8 +45,25 @@ class Pool:
         max_inflight_per_worker: int,
         clock: Callable[[], float] = time.monotonic,
         start_grace_s: float = 30.0,
+        ttft_target_s: float | None = None,
+        seat_share: float = 1.0,
+        start_estimate_s: float = 30.0,
+        priority_ttft_scale: dict[int, float] | None = None,
     ) -> None:
         self.name = name
+        # Admission against the target (`admit`); None: counts and deadlines only.
+        self.ttft_target_s = ttft_target_s
+        self.priority_ttft_scale = priority_ttft_scale or {0: 1.0}
+        # This gateway process's share of each replica's seats (1/N of a group of N).
+        self.seat_share = seat_share
+        # How long a replica takes from joining to ready, until one was measured.
+        self.start_estimate_s = start_estimate_s
+        self._start_times: deque[float] = deque(maxlen=16)  # measured: joined -> ready
+        # Output tokens generated per max_tokens allowed, over recent requests (EWMA);
+        # 1.0 (every request runs to its max_tokens) until measured.
+        self.completion_ratio = 1.0
+        self.last_prediction: Prediction | None = None  # of the last request admitted
+        self.refusals: dict[str, int] = {}  # by reason, since start
         self.client = client
         self.max_inflight_per_worker = max_inflight_per_worker
         self.clock = clock
@@ -102,9 +136,108 @@ class Pool:
         recent = sorted(s for t, s in self._ttfts if now - t <= window_s)
         return recent[min(len(recent) - 1, int(q * len(recent)))] if recent else None
 
-    def record_tokens(self, num_tokens: int) -> None:
-        """A settled request's completion tokens, for the pool's tokens per second."""
+    def record_tokens(self, num_tokens: int, max_tokens: int | None = None) -> None:
+        """A settled request's completion tokens, for the pool's tokens per second; with
+        `max_tokens` (what it was allowed), the completion ratio admission expects."""
         self._tokens.append((self.clock(), num_tokens))
+        if max_tokens:
+            ratio = min(1.0, num_tokens / max_tokens)
+            self.completion_ratio += 0.05 * (ratio - self.completion_ratio)
+
+    # -- admission against the TTFT target ------------------------------------------
+
+    def capacity(self, typical: Work) -> list[ReplicaCapacity] | None:
+        """Every live replica's capacity as admission reasons over it (`predictor`); None
+        while a live one reports no capacity model (still learning, or an external
+        server): then nothing is predicted and only the target's start bound holds. Our
+        requests in flight that a replica's last report does not show yet are counted as
+        holding a seat for as long as `typical` would."""
+        now = self.clock()
+        ratio = self.completion_ratio
+        out: list[ReplicaCapacity] = []
+        starting = [v for v in self.views.values() if v.state == "loading" or _starting(v)]
+        for v in self.views.values():
+            if v.state != "ready":
+                continue
+            if v.seats is None or not v.decode_step_s or not v.prefill_tokens_per_s:
+                return None
+            step, rate = v.decode_step_s, v.prefill_tokens_per_s
+            backlog = (v.running_prefill_tokens + v.queued_prompt_tokens) / rate
+            occupied = [n * ratio * step for n in v.running_remaining]
+            # Its waiting line (prefilled by the end of the backlog at the latest), and
+            # ours not in its last report, hold seats too.
+            occupied += [backlog + n * ratio * step for n in v.waiting_max_tokens]
+            unseen = v.inflight - len(occupied)
+            if unseen > 0:
+                hold = typical.prompt_tokens / rate + typical.output_tokens * step
+                occupied += [hold] * unseen
+                backlog += unseen * typical.prompt_tokens / rate
+            out.append(ReplicaCapacity(v.seats, tuple(occupied), step, rate, 0.0, backlog))
+        if not out:
+            return None
+        template = out[0]
+        for v in starting:
+            ready_in = max(0.0, self._start_s() - (now - v.joined_at))
+            out.append(
+                ReplicaCapacity(
+                    template.seats,
+                    (),
+                    template.decode_step_s,
+                    template.prefill_tokens_per_s,
+                    ready_in_s=max(ready_in, 0.001),
+                )
+            )
+        return out
+
+    def ttft_target_for(self, priority: int) -> float:
+        """The TTFT target of a request of `priority` (inf: none): the pool's, scaled by
+        its class (a priority outside the classes takes the nearest one's)."""
+        if self.ttft_target_s is None:
+            return math.inf
+        scales = self.priority_ttft_scale
+        nearest = min(scales, key=lambda p: (abs(p - priority), p))
+        return self.ttft_target_s * scales[nearest]
+
+    def _start_s(self) -> float:
+        times = self._start_times
+        return sorted(times)[len(times) // 2] if times else self.start_estimate_s
+
+    def predict(self, ticket: Ticket) -> Prediction:
+        """When `ticket` would get its first token if queued now (`predictor.predict`)."""
+        ratio = self.completion_ratio
+        own = Work(ticket.prompt_tokens, ticket.max_tokens * ratio)
+        replicas = self.capacity(own)
+        if replicas is None:
+            return NEVER
+        ahead = [
+            Work(t.prompt_tokens, t.max_tokens * ratio)
+            for t in self.queue.ahead_of(ticket.tenant_id)
+        ]
+        return predict(replicas, ahead, own)
+
+    def admit(self, ticket: Ticket) -> None:
+        """Refuse `ticket` now (OverCapacity) when it is predicted to miss its TTFT target
+        (`Ticket.ttft_target_s`: the pool's, or its priority class's); else bound its wait
+        in the queue to the latest start that still meets the target (`Ticket.start_by`).
+        Without a target nothing changes; without a capacity model the start bound alone
+        holds."""
+        target_s = ticket.ttft_target_s
+        if not math.isfinite(target_s):
+            return
+        prediction = self.predict(ticket)
+        self.last_prediction = prediction
+        if prediction.known and prediction.ttft_s > target_s:
+            cfg = self.queue_config
+            wait = retry_after_s(prediction, target_s, cfg.retry_after_s, 30.0)
+            wait += self.queue.jitter()
+            raise OverCapacity(self.name, prediction.ttft_s, target_s, wait)
+        own = prediction.first_token_s if prediction.known else 0.0
+        ticket.start_by = ticket.enqueued_at + max(0.0, target_s - own)
+
+    def count_refusal(self, error: Exception) -> None:
+        """A request refused before any token (by the Lease), counted by reason."""
+        reason = refusal_reason(error)
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
 
     def tokens_per_s(self, window_s: float = 10.0) -> float:
         """Completion tokens of requests settled in the last `window_s`, per second."""
@@ -134,8 +267,8 @@ class Pool:
         free = total = 0
         for v in self.views.values():
             if v.state == "ready":
-                total += v.max_inflight
-                free += max(0, v.max_inflight - v.inflight)
+                total += v.room
+                free += max(0, v.room - v.inflight)
         return free, total
 
     def choose(self, affinity: bytes | None, exclude: set[str]) -> WorkerView | None:
@@ -211,6 +344,19 @@ class Pool:
         view.kv_total_tokens = report.kv_total_tokens
         view.max_model_len = report.max_model_len or None
         view.vocab_size = report.vocab_size
+        view.seats = None if report.seats is None else _share(report.seats, self.seat_share)
+        view.decode_step_s = report.decode_step_s
+        view.prefill_tokens_per_s = report.prefill_tokens_per_s
+        view.queued_prompt_tokens = report.queued_prompt_tokens
+        view.running_prefill_tokens = report.running_prefill_tokens
+        view.running_remaining = tuple(report.running_remaining)
+        view.waiting_max_tokens = tuple(report.waiting_max_tokens)
+        if report.state == "loading":
+            view.seen_loading = True
+        elif report.state == "ready" and view.ready_at is None:
+            view.ready_at = self.clock()
+            if view.seen_loading:  # seen starting: how long a start takes
+                self._start_times.append(view.ready_at - view.joined_at)
         self._set_state(view, report.state)
 
     def model_limits(self) -> tuple[int | None, int | None]:
@@ -257,3 +403,25 @@ class Pool:
             }
             for v in self.views.values()
         ]
+
+
+def _share(seats: int, share: float) -> int:
+    return max(1, int(seats * share))
+
+
+def _starting(view: WorkerView) -> bool:
+    """Joined and not answered yet: its server is still starting."""
+    return view.state == "unreachable" and not view.answered
+
+
+def refusal_reason(error: Exception) -> str:
+    """The `reason` label of an admission refusal: predicted (over the TTFT target at
+    arrival), late (its latest start passed in the queue), queue_full, no_replica or
+    deadline (its deadline passed first)."""
+    if isinstance(error, OverCapacity):
+        return "predicted" if error.predicted_s is not None else "late"
+    if isinstance(error, QueueFull):
+        return "queue_full"
+    if isinstance(error, DeadlineExceeded):
+        return "deadline"
+    return "no_replica"

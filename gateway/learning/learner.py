@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, Counter
 from cascade.features import RequestView, request_view
 from cascade.labels import Label, builtin_verdict, features_of
 from cascade.policy import LearningSettings, learning_for
-from gateway.capacity.admission import DeadlineExceeded, QueueFull, Ticket
+from gateway.capacity.admission import DeadlineExceeded, OverCapacity, QueueFull, Ticket
 from gateway.capacity.lease import Lease, NoReplica
 from gateway.learning.label_store import LabelStore, RequestRecord
 from gateway.learning.shadow_budget import ShadowBudget
@@ -257,7 +257,7 @@ class Learner:
         lease = Lease(pool, ticket, plan.affinity)
         try:
             lease.enqueue()
-        except (QueueFull, DeadlineExceeded):
+        except (QueueFull, DeadlineExceeded, OverCapacity):
             self.metrics.shadow.labels("busy").inc()
             return
         served = False

@@ -54,6 +54,7 @@ def member_configs(config: GatewayConfig, redis_url: str) -> list[GatewayConfig]
             max_inflight_per_worker=inflight[i],
             queue_max_requests=requests[i],
             queue_max_tokens=tokens[i],
+            seat_share=1.0 / n,
         )
         for i in range(n)
     ]

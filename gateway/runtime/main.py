@@ -68,7 +68,18 @@ def build_gateway(
         retry_after_jitter_s=config.retry_after_jitter_s,
     )
     pools = {
-        name: Pool(name, urls, workers, queue, config.max_inflight_per_worker)
+        name: Pool(
+            name,
+            urls,
+            workers,
+            queue,
+            config.max_inflight_per_worker,
+            start_grace_s=config.replica_start_grace_s,
+            ttft_target_s=config.ttft_target_s.get(name),
+            seat_share=config.seat_share,
+            start_estimate_s=config.replica_start_estimate_s,
+            priority_ttft_scale={int(k): v for k, v in config.priority_ttft_scale.items()},
+        )
         for name, urls in config.pools.items()
     }
     tokenizers = {pool: load_tokenizer(path) for pool, path in config.tokenizers.items()}

@@ -98,14 +98,18 @@ class Flight:
         DeadlineExceeded before any response has started."""
         plan = self.plan
         suffix = f"-{len(self.attempts)}" if self.attempts else ""
+        pool = self.gw.pools[pool_name]
         ticket = Ticket(
             plan.request_id + suffix,
             plan.tenant_id,
             plan.attempt_tokens,
             time.monotonic(),
             plan.deadline,
+            prompt_tokens=plan.prompt_tokens,
+            max_tokens=plan.n * plan.max_tokens,
+            ttft_target_s=pool.ttft_target_for(plan.priority),
         )
-        attempt = Attempt(Lease(self.gw.pools[pool_name], ticket, plan.affinity))
+        attempt = Attempt(Lease(pool, ticket, plan.affinity))
         self.attempts.append(attempt)
         attempt.lease.enqueue()
         return attempt
@@ -152,6 +156,8 @@ class Flight:
             if i > 0:
                 route = "escalated"
             bill = billed(plan, served)  # the worker's usage, clamped
+            # The pool's tokens per second, and how much of max_tokens answers use.
+            a.lease.pool.record_tokens(bill.completion_tokens, a.lease.ticket.max_tokens)
             details = bill.prompt_tokens_details
             cached = details.cached_tokens if details is not None else 0
             parts.append(UsagePart(model, bill.prompt_tokens, cached, bill.completion_tokens))

@@ -60,6 +60,9 @@ class Plan:
     escalation: EscalationSettings | None = None  # set when an unsure answer re-runs
     n: int = 1  # samples: each may generate max_tokens; the prompt is computed once
     structured: bool = False  # tools or a response_format schema constrain the output
+    # Its latency class: the request's `priority` (lower is more urgent), within its
+    # tenant's ceiling; scales the pool's TTFT target (`GatewayConfig.priority_ttft_scale`).
+    priority: int = 0
 
     @property
     def attempt_tokens(self) -> int:

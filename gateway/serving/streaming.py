@@ -4,6 +4,7 @@ fails after that is reported in-band). Refusals before that keep their HTTP stat
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -41,9 +42,13 @@ async def stream_response(
     opening = asyncio.ensure_future(open_attempt(gw, flight, attempt, body, stream=True))
     attempt.opening = opening
     aborting = flight.aborted
-    done, _ = await asyncio.wait(
-        {opening, aborting}, timeout=gw.config.sse_heartbeat_s, return_when="FIRST_COMPLETED"
-    )
+    # A request with a latest start (a TTFT target) is refused with its real status up to
+    # then: the stream commits only once it could have started.
+    wait_s = gw.config.sse_heartbeat_s
+    start_by = attempt.lease.ticket.start_by
+    if math.isfinite(start_by):
+        wait_s += max(0.0, start_by - time.monotonic())
+    done, _ = await asyncio.wait({opening, aborting}, timeout=wait_s, return_when="FIRST_COMPLETED")
     if aborting in done and opening not in done:
         raise flight.abort_error
     sse_headers = {**headers, "cache-control": "no-cache"}
