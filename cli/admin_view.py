@@ -6,7 +6,7 @@ from typing import Any
 
 LIMITS = ("tokens_per_minute", "tokens_per_day", "requests_per_minute", "max_concurrent",
           "max_context")  # fmt: skip
-_CLEARABLE = {*LIMITS, "allowed_models", "name", "allow_overflow"}
+_CLEARABLE = {*LIMITS, "allowed_models", "name", "allow_overflow", "priority_ceiling"}
 
 
 def tenant_body(args: argparse.Namespace, partial: bool = False) -> dict[str, Any]:
@@ -20,6 +20,8 @@ def tenant_body(args: argparse.Namespace, partial: bool = False) -> dict[str, An
         body["allowed_models"] = args.model
     if args.allow_overflow is not None:
         body["allow_overflow"] = args.allow_overflow
+    if getattr(args, "priority_ceiling", None) is not None:
+        body["priority_ceiling"] = args.priority_ceiling
     for field in getattr(args, "clear", []) or []:
         if field not in _CLEARABLE:
             raise ValueError(f"--clear {field}: not one of {', '.join(sorted(_CLEARABLE))}")
@@ -59,7 +61,18 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
 def render_table(kind: str, items: list[dict]) -> str:
     if kind == "tenants":
         return table(
-            ["tenant", "name", "tpm", "tpd", "rpm", "concurrent", "context", "models", "overflow"],
+            [
+                "tenant",
+                "name",
+                "tpm",
+                "tpd",
+                "rpm",
+                "concurrent",
+                "context",
+                "models",
+                "overflow",
+                "priority",
+            ],
             [
                 [
                     t["tenant_id"],
@@ -67,6 +80,7 @@ def render_table(kind: str, items: list[dict]) -> str:
                     *(t["limits"].get(k) for k in LIMITS),
                     t["allowed_models"],
                     t["allow_overflow"],
+                    t.get("priority_ceiling", 0),
                 ]
                 for t in items
             ],

@@ -30,6 +30,10 @@ class Tenant:
     limits: TenantLimits
     allowed_models: list[str]  # pool names; [] = every pool
     allow_overflow: bool = True  # may the cascade overflow this tenant to another pool
+    # The most urgent `priority` its requests may ask (lower is more urgent; a class scales
+    # the pool's TTFT target, gateway priority_ttft_scale). 0: the default class at best,
+    # so a tenant cannot promote itself; it may always ask to be served later.
+    priority_ceiling: int = 0
     created_at: float = 0.0  # unix seconds
 
 
@@ -101,6 +105,19 @@ def validate_limits(limits: TenantLimits) -> TenantLimits:
                 param=f"limits.{f.name}",
             )
     return limits
+
+
+MAX_PRIORITY = 1000  # |priority_ceiling| at most this
+
+
+def validate_priority_ceiling(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or abs(value) > MAX_PRIORITY:
+        raise InvalidLimits(
+            f"priority_ceiling must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], "
+            f"got {value!r}",
+            param="priority_ceiling",
+        )
+    return value
 
 
 def validate_models(allowed_models: object) -> list[str]:

@@ -29,6 +29,7 @@ from quota.models import (
     is_valid_tenant_id,
     validate_limits,
     validate_models,
+    validate_priority_ceiling,
     validate_tenant_id,
 )
 
@@ -59,6 +60,7 @@ def _tenant_from_doc(doc: dict[str, Any]) -> Tenant:
         limits=TenantLimits(**doc["limits"]),
         allowed_models=list(doc["allowed_models"]),
         allow_overflow=bool(doc["allow_overflow"]),
+        priority_ceiling=int(doc.get("priority_ceiling", 0)),
         created_at=float(doc["created_at"]),
     )
 
@@ -104,6 +106,7 @@ class TenantStore:
         limits: TenantLimits,
         allowed_models: Sequence[str] = (),
         allow_overflow: bool = True,
+        priority_ceiling: int = 0,
     ) -> Tenant:
         """Raises InvalidLimits on a bad id, limit or model list; TenantExists if taken."""
         tenant = Tenant(
@@ -112,6 +115,7 @@ class TenantStore:
             limits=validate_limits(limits),
             allowed_models=validate_models(allowed_models),
             allow_overflow=bool(allow_overflow),
+            priority_ceiling=validate_priority_ceiling(priority_ceiling),
             created_at=self._clock(),
         )
         doc = {**asdict(tenant), "uid": uuid.uuid4().hex}
@@ -145,6 +149,7 @@ class TenantStore:
         limits: TenantLimits | None = None,
         allowed_models: Sequence[str] | None = None,
         allow_overflow: bool | None = None,
+        priority_ceiling: int | None = None,
     ) -> Tenant:
         """Change the fields given (None = keep). `limits` replaces all limits at once."""
         changes: dict[str, Any] = {}
@@ -156,6 +161,8 @@ class TenantStore:
             changes["allowed_models"] = validate_models(allowed_models)
         if allow_overflow is not None:
             changes["allow_overflow"] = bool(allow_overflow)
+        if priority_ceiling is not None:
+            changes["priority_ceiling"] = validate_priority_ceiling(priority_ceiling)
         doc = None
         if is_valid_tenant_id(tenant_id):
             doc = await self._modify(keyspace.tenant_record(tenant_id), changes)

@@ -29,14 +29,21 @@ def _add_limits(p: argparse.ArgumentParser, clearable: bool) -> None:
     over = p.add_mutually_exclusive_group()
     over.add_argument("--overflow", dest="allow_overflow", action="store_true", default=None)
     over.add_argument("--no-overflow", dest="allow_overflow", action="store_false")
+    p.add_argument(
+        "--priority-ceiling",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the most urgent `priority` its requests may ask (lower is more urgent; default 0)",
+    )
     if clearable:
         p.add_argument(
             "--clear",
             action="append",
             default=[],
             metavar="FIELD",
-            help="set a limit (e.g. max_concurrent), `allowed_models` or `name` back to its "
-            "default (repeatable)",
+            help="set a limit (e.g. max_concurrent), `allowed_models`, `name`, `allow_overflow` "
+            "or `priority_ceiling` back to its default (repeatable)",
         )
 
 

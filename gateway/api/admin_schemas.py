@@ -50,6 +50,8 @@ class TenantBody(Struct, forbid_unknown_fields=True):
     limits: LimitsBody | None | UnsetType = UNSET
     allowed_models: list[PoolName] | None | UnsetType = UNSET
     allow_overflow: bool | None | UnsetType = UNSET
+    # The most urgent `priority` its requests may ask (lower is more urgent); null: 0.
+    priority_ceiling: int | None | UnsetType = UNSET
 
 
 class NewTenant(TenantBody, forbid_unknown_fields=True, kw_only=True):
@@ -75,6 +77,7 @@ def whole_tenant(tenant_id: str, body: TenantBody, pools: Collection[str]) -> di
         "limits": body.limits.over() if isinstance(body.limits, LimitsBody) else TenantLimits(),
         "allowed_models": models_of(body.allowed_models or [], pools),
         "allow_overflow": body.allow_overflow if isinstance(body.allow_overflow, bool) else True,
+        "priority_ceiling": body.priority_ceiling if isinstance(body.priority_ceiling, int) else 0,
     }
 
 
@@ -90,6 +93,9 @@ def tenant_changes(current: Tenant, body: TenantBody, pools: Collection[str]) ->
         changes["allowed_models"] = models_of(body.allowed_models or [], pools)
     if body.allow_overflow is not UNSET:
         changes["allow_overflow"] = True if body.allow_overflow is None else body.allow_overflow
+    if body.priority_ceiling is not UNSET:
+        ceiling = body.priority_ceiling
+        changes["priority_ceiling"] = 0 if ceiling is None else ceiling
     return changes
 
 

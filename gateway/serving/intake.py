@@ -230,6 +230,15 @@ async def prepare(
     except PromptTooLong as exc:  # a lower bound, over the room: check_context refuses it
         prompt_tokens, counted = exc.min_tokens, False
     check_context(prompt_tokens, max_tokens, own_limit, model_len, at_least=not counted)
+    if req.priority < tenant.priority_ceiling:
+        raise ApiError(
+            403,
+            f"priority {req.priority} is more urgent than this tenant may ask (its ceiling is "
+            f"{tenant.priority_ceiling}; lower is more urgent)",
+            type="permission_error",
+            param="priority",
+            code="priority_not_allowed",
+        )
     escalation = None
     if decision is not None and decision.route == "classifier" and pool == gw.router.small_pool:
         chosen = escalation_for(gw.router.settings, tenant.tenant_id)
@@ -253,6 +262,7 @@ async def prepare(
         escalation=escalation,
         n=req.n,
         structured=is_structured(req),
+        priority=req.priority,
     )
 
 
@@ -287,8 +297,15 @@ def _decide(gw: Gateway, tenant: Tenant, key_id: str | None, req: PublicRequest,
     large = gw.pools[router.large_pool]
     if isinstance(req, GatewayChatRequest):
         messages, prompt = [msgspec.structs.asdict(m) for m in req.messages], ""
+        text_bytes = sum(len(m.content) for m in req.messages if isinstance(m.content, str))
     else:
         messages, prompt = None, req.prompt if isinstance(req.prompt, str) else ""
+        text_bytes = len(prompt) if prompt else len(req.prompt) * 3
+    # Full, or predicted to miss its TTFT target (prompt tokens estimated from the text;
+    # they are counted once the pool is chosen): the large pool is under pressure.
+    pressed = len(large.queue) >= large.queue_config.max_requests or large.would_miss(
+        tenant.tenant_id, text_bytes // 3, max_tokens, req.priority
+    )
     return router.decide(
         tenant.tenant_id,
         tenant.allow_overflow,
@@ -296,7 +313,7 @@ def _decide(gw: Gateway, tenant: Tenant, key_id: str | None, req: PublicRequest,
         messages,
         max_tokens,
         large.estimated_wait_s(),
-        len(large.queue) >= large.queue_config.max_requests,
+        pressed,
         request_threshold=req.switchyard_threshold,
         structured=is_structured(req),
         key_threshold=router.settings.key_thresholds.get(key_id) if key_id else None,

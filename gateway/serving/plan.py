@@ -3,7 +3,8 @@ bound it and build what is sent upstream. No I/O here: collaborators (tokenizers
 router, Redis) are called by `gateway.serving.intake`, which feeds their answers in.
 
 Fields a tenant sends that are the operator's are overridden in `upstream_body`:
-`priority` (0: tenants cannot jump the worker's queue or pick preemption victims),
+`priority` (the request's own, checked against its tenant's `priority_ceiling` at intake,
+so a tenant cannot promote itself),
 `cache_salt` (the tenant's own prefix-cache namespace) and `ignore_eos` (off). Every
 other field of the OpenAI request structs in `workers.api.types` passes through; a field
 they do not have is refused at decoding (400 `unknown_field`), never dropped.
@@ -182,7 +183,7 @@ def upstream_body(
     changes: dict = {
         "model": pool or plan.pool,
         "max_tokens": plan.max_tokens,
-        "priority": 0,
+        "priority": plan.priority,
         "cache_salt": cache_salt,
         "ignore_eos": False,
         "switchyard_threshold": None,

@@ -63,14 +63,40 @@ def test_deep_nesting_and_oversized_bodies_are_4xx_not_500(stack):
 
 def test_operator_fields_are_overridden_before_the_worker_sees_them(stack):
     key = stack.tenant("acme")
-    hostile = {**BODY, "priority": -(2**30), "cache_salt": "someone-else", "ignore_eos": True}
+    hostile = {**BODY, "cache_salt": "someone-else", "ignore_eos": True}
     with stack.client(key) as c:
         assert c.post("/v1/completions", json=hostile).status_code == 200
         assert c.post("/v1/completions", json=BODY).status_code == 200
     hostile_sent, plain_sent = list(stack.backends["small0"].bodies)[-2:]
-    assert hostile_sent.get("priority", 0) == 0
     assert hostile_sent.get("ignore_eos", False) is False
     assert hostile_sent["cache_salt"] == plain_sent["cache_salt"] != "someone-else"
+
+
+def test_a_tenant_cannot_ask_a_priority_above_its_ceiling(stack):
+    """`priority` below the tenant's `priority_ceiling` (lower is more urgent) is a 403
+    before anything is charged; within it, the worker gets the request's own priority."""
+    key = stack.tenant("plain")
+    with stack.client(key) as c:
+        for stream in (False, True):
+            r = c.post("/v1/completions", json={**BODY, "priority": -(2**30), "stream": stream})
+            assert r.status_code == 403, r.text
+            assert error_of(r)["code"] == "priority_not_allowed"
+            assert error_of(r)["param"] == "priority"
+        assert stack.backends["small0"].total == 0
+        usage = stack.usage(key)
+        assert usage["tokens_today"] == 0 and usage["concurrent_requests"] == 0
+        assert c.post("/v1/completions", json={**BODY, "priority": 3}).status_code == 200
+    assert stack.backends["small0"].bodies[-1]["priority"] == 3  # later is always allowed
+    vip = stack.tenant("vip")
+    with stack.admin() as a:
+        r = a.patch("/admin/tenants/vip", json={"priority_ceiling": -1})
+        assert r.status_code == 200 and r.json()["priority_ceiling"] == -1, r.text
+        assert a.patch("/admin/tenants/vip", json={"priority_ceiling": 10**6}).status_code == 400
+    with stack.client(vip) as c:
+        assert c.post("/v1/completions", json={**BODY, "priority": -1}).status_code == 200
+        assert stack.backends["small0"].bodies[-1]["priority"] == -1
+        assert c.post("/v1/completions", json={**BODY, "priority": -2}).status_code == 403
+    assert stack.backends["small0"].total == 2
 
 
 def test_every_chat_field_counts_toward_the_context_limit(stack):

@@ -127,14 +127,20 @@ def test_patch_leaves_out_what_is_left_out_and_null_clears():
     assert changes == {
         "limits": TenantLimits(tokens_per_minute=10, tokens_per_day=7, max_concurrent=None)
     }
-    raw = b'{"name": null, "limits": null, "allowed_models": null, "allow_overflow": null}'
+    raw = (
+        b'{"name": null, "limits": null, "allowed_models": null, "allow_overflow": null,'
+        b' "priority_ceiling": null}'
+    )
     cleared = tenant_changes(current, decode_struct(raw, TenantBody), POOLS)
     assert cleared == {
         "name": "acme",
         "limits": TenantLimits(),
         "allowed_models": [],
         "allow_overflow": True,
+        "priority_ceiling": 0,
     }
+    body = decode_struct(b'{"priority_ceiling": -1}', TenantBody)
+    assert tenant_changes(current, body, POOLS) == {"priority_ceiling": -1}
 
 
 def test_put_gives_every_field_left_out_its_default():
@@ -146,6 +152,7 @@ def test_put_gives_every_field_left_out_its_default():
         "limits": TenantLimits(tokens_per_day=3),
         "allowed_models": [],
         "allow_overflow": True,
+        "priority_ceiling": 0,
     }
     body = decode_struct(
         b'{"allowed_models": ["large", "small", "large"], "allow_overflow": false}', TenantBody
