@@ -37,6 +37,11 @@ class FakeBackend:
         self.total = 0
         self.aborted = 0
         self.bodies: deque[dict[str, Any]] = deque(maxlen=256)
+        # The capacity model its /load reports (None: none, as an external server): set
+        # them to make the gateway's admission predict from them.
+        self.seats: int | None = None
+        self.decode_step_s: float | None = None
+        self.prefill_tokens_per_s: float | None = None
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 (ASGI)
         if scope["type"] == "lifespan":
@@ -107,6 +112,9 @@ class FakeBackend:
             model=self.name,
             max_model_len=4096,
             vocab_size=VOCAB_SIZE,
+            seats=self.seats,
+            decode_step_s=self.decode_step_s,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
         )
         return msgspec.structs.asdict(report)
 

@@ -237,11 +237,12 @@ def route(score: float, threshold: float) -> str:
 
 
 def should_overflow(
-    large_estimated_wait_s: float, large_queue_full: bool, bound_s: float, tenant_allows: bool
+    large_estimated_wait_s: float, large_pressed: bool, bound_s: float, tenant_allows: bool
 ) -> bool:
     """Send a large-routed request to the small pool instead (the tenant must allow it)
-    when the large pool's queue is full or its estimated wait exceeds `bound_s`."""
-    return tenant_allows and (large_queue_full or large_estimated_wait_s > bound_s)
+    when the large pool is pressed (its queue is full, or it would refuse the request for
+    its TTFT target) or its estimated wait exceeds `bound_s`."""
+    return tenant_allows and (large_pressed or large_estimated_wait_s > bound_s)
 
 
 def answer_confidence(token_logprobs: Sequence[float]) -> tuple[float, float]:

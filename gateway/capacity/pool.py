@@ -234,6 +234,19 @@ class Pool:
         own = prediction.first_token_s if prediction.known else 0.0
         ticket.start_by = ticket.enqueued_at + max(0.0, target_s - own)
 
+    def would_miss(
+        self, tenant_id: str, prompt_tokens: int, max_tokens: int, priority: int
+    ) -> bool:
+        """Whether a request of this size would be refused for its TTFT target now (the
+        cascade overflows such a request to the small pool instead)."""
+        target = self.ttft_target_for(priority)
+        if not math.isfinite(target):
+            return False
+        probe = Ticket("probe", tenant_id, prompt_tokens + max_tokens, self.clock(), math.inf,
+                       prompt_tokens=prompt_tokens, max_tokens=max_tokens)  # fmt: skip
+        prediction = self.predict(probe)
+        return prediction.known and prediction.ttft_s > target
+
     def count_refusal(self, error: Exception) -> None:
         """A request refused before any token (by the Lease), counted by reason."""
         reason = refusal_reason(error)

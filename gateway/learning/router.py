@@ -158,7 +158,7 @@ class Router:
         messages: list[dict] | None,
         max_tokens: int | None,
         large_wait_s: float,
-        large_queue_full: bool,
+        large_pressed: bool,
         request_threshold: float | None = None,
         key_threshold: float | None = None,
         structured: bool = False,
@@ -187,7 +187,7 @@ class Router:
         pool = self.large_pool if route(score, threshold) == "large" else self.small_pool
         reason = "classifier"
         if pool == self.large_pool and should_overflow(
-            large_wait_s, large_queue_full, s.overflow_max_wait_s, allow_overflow
+            large_wait_s, large_pressed, s.overflow_max_wait_s, allow_overflow
         ):
             pool, reason = self.small_pool, "overflow"
         if log.isEnabledFor(logging.DEBUG):

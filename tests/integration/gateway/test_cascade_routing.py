@@ -8,6 +8,7 @@ import httpx
 
 from tests.integration.gateway.conftest import ADMIN, Stack, gateway_stack
 from tests.support.servers import gateway_process
+from tests.support.waiting import eventually
 from tests.support.worker import free_port
 
 CASCADE = {"cascade_small_pool": "small", "cascade_large_pool": "large"}
@@ -132,6 +133,34 @@ def test_overflow_to_small_when_the_large_pool_is_saturated(redis_url):
         assert r.headers["x-switchyard-model"] == "large"  # waited its turn instead
         for t in fillers:
             t.join()
+
+
+def test_overflow_to_small_when_the_large_pool_would_miss_its_ttft_target(redis_url):
+    """No queue at all, but the large pool's capacity model predicts this prompt's prefill
+    alone takes past its TTFT target: the cascade sends it to the small pool, and a tenant
+    that may not overflow is refused before any token, with Retry-After."""
+    with gateway_stack(redis_url, ttft_target_s={"large": 0.5}, **CASCADE) as s:
+        large = s.backends["large0"]
+        large.seats, large.decode_step_s, large.prefill_tokens_per_s = 4, 0.01, 20.0
+        key, strict = s.tenant("ovf"), s.tenant("strict")
+        with s.admin() as a:
+            a.patch("/admin/tenants/strict", json={"allow_overflow": False})
+        assert put_routing(s, default_threshold=0.0, overflow_max_wait_s=30).status_code == 200
+        view = s.gateway.pools["large"].views[s.backend_urls["large0"]]
+        assert eventually(lambda: view.seats == 4 and view.prefill_tokens_per_s == 20.0)
+        with s.client(key) as c:
+            short = c.post("/v1/completions", json=auto("a b"))  # 1 token of prefill: in time
+            long = c.post("/v1/completions", json=auto(HARD))  # ~60 tokens: 3 s of prefill
+        assert (short.headers["x-switchyard-model"], long.headers["x-switchyard-model"]) == (
+            "large",
+            "small",
+        )
+        assert long.headers["x-switchyard-route"] == "overflow"
+        with s.client(strict) as c:
+            r = c.post("/v1/completions", json=auto(HARD))
+        assert r.status_code == 503 and "retry-after" in r.headers, r.text
+        assert r.json()["error"]["code"] == "over_capacity"
+        assert s.backends["large0"].total == 1 and s.backends["small0"].total == 1
 
 
 def test_unsure_small_answer_escalates_and_both_attempts_are_charged(redis_url):

@@ -189,3 +189,16 @@ def test_prefill_is_one_line_per_replica() -> None:
     # A second replica with a free line is the quicker one.
     p = predict([backlogged, replica(seats=1)], [], Work(500, 10))
     assert p.ttft_s == pytest.approx(0.55)
+
+
+def test_would_miss_tells_the_cascade_the_large_pool_is_pressed() -> None:
+    """`Pool.would_miss` answers what `admit` would (without queuing anything): the cascade
+    overflows a large-routed request to the small pool instead of refusing it."""
+    pool = pool_with(ready("http://a", 1, running=(20,)))  # 1 s until the seat frees
+    assert not pool.would_miss("t", 100, 50, priority=0)  # 1 s + 0.1 s prefill < 2 s
+    assert pool.would_miss("t", 2000, 50, priority=0)  # + 2 s of prefill: past 2 s
+    assert pool.would_miss("t", 100, 50, priority=-1)  # its class's target is 1 s
+    assert len(pool.queue) == 0 and pool.refusals == {}
+    assert not pool_with(ready("http://a", 1, running=(20,)), target=None).would_miss(
+        "t", 10**6, 50, priority=0
+    )  # no target: never pressed by prediction
