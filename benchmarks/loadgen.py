@@ -267,4 +267,5 @@ def report_dict(opts: LoadOptions, stats: LoadStats, elapsed_s: float, fleet: li
         "elapsed_s": round(elapsed_s, 3),
         "summary": stats.report(elapsed_s, opts.duration_s),
         "fleet_samples": fleet,  # (t, {pool: replicas, queue}) seen during the run
+        "outcomes": [asdict(o) for o in stats.outcomes],  # every request, as the client saw it
     }
