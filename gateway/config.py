@@ -44,6 +44,12 @@ class GatewayConfig:
     )
     # How long a replica takes from joining to ready, until the pool has measured one.
     replica_start_estimate_s: float = 30.0
+    # A worker back from a stall (gateway/capacity/flaps.py) rejoins the rotation only
+    # after reporting ready this long in a row; the hold doubles with each stall within
+    # flap_reset_s of the last, up to stall_hold_max_s.
+    stall_hold_s: float = 2.0
+    stall_hold_max_s: float = 30.0
+    flap_reset_s: float = 60.0
     # This process's share of each replica's seats (1/N in a group of N; set by the group).
     seat_share: float = 1.0
     # The door (gateway/capacity/door.py): with several tenants active, those over their share of

@@ -77,6 +77,9 @@ class FleetSection:
     restart_base_s: float = 1.0  # restart backoff of a crashed worker: 1, 2, 4 ... s
     restart_max_s: float = 30.0
     stall_restart_s: float = 30.0  # a worker stalled this long is killed and restarted
+    # Back from a stall, a worker counts as stalled until it has been ready this long (a
+    # flapping one is restarted stall_restart_s after its first stall).
+    stall_recover_s: float = 5.0
     start_timeout_s: float = 300.0  # a worker not ready by then is killed and restarted
     stop_grace_s: float = 10.0  # at shutdown: SIGTERM, then SIGKILL after this
     # Each replica on devices of its own (CPU cores or GPUs, workers/fleet/devices.py), and

@@ -277,6 +277,7 @@ class Stack:
                 restart_base_s=cfg.fleet.restart_base_s,
                 restart_max_s=cfg.fleet.restart_max_s,
                 stall_restart_s=cfg.fleet.stall_restart_s,
+                stall_recover_s=cfg.fleet.stall_recover_s,
                 start_timeout_s=cfg.fleet.start_timeout_s,
                 stop_grace_s=cfg.fleet.stop_grace_s,
             ),

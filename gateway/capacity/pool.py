@@ -17,6 +17,7 @@ from gateway.capacity.admission import (
     Ticket,
 )
 from gateway.capacity.balancer import WorkerView, choose_worker, has_room, is_live
+from gateway.capacity.flaps import FlapGuard, FlapPolicy
 from gateway.capacity.predictor import (
     NEVER,
     Prediction,
@@ -49,8 +50,11 @@ class Pool:
         seat_share: float = 1.0,
         start_estimate_s: float = 30.0,
         priority_ttft_scale: dict[int, float] | None = None,
+        flap_policy: FlapPolicy | None = None,
     ) -> None:
         self.name = name
+        # A member back from a stall rejoins the rotation only after a hold (flaps.py).
+        self.flaps = FlapGuard(flap_policy or FlapPolicy())
         # Admission against the target (`admit`); None: counts and deadlines only.
         self.ttft_target_s = ttft_target_s
         self.priority_ttft_scale = priority_ttft_scale or {0: 1.0}
@@ -111,6 +115,7 @@ class Pool:
             log.info("pool %s: worker %s left", self.name, url)
         self._reported.pop(url, None)
         self._lost.pop(url, None)
+        self.flaps.forget(url)
 
     def record_arrival(self) -> None:
         """A request was offered to the pool (queued or refused): the arrival rate."""
@@ -379,21 +384,35 @@ class Pool:
         ctx = [v.max_model_len for v in self.views.values() if v.max_model_len]
         return (min(vocab) if vocab else None, min(ctx) if ctx else None)
 
-    def _set_state(self, view: WorkerView, state: str) -> None:
+    def _set_state(self, view: WorkerView, reported: str) -> None:
         if self.views.get(view.url) is not view:
             return  # it left the pool while its /load was on the way
+        state = self.flaps.state(view.url, reported, self.clock())
+        if reported == "ready" and state == "stalled":
+            state = "stalled (held)"  # logged once, below; acted on as stalled
         before = self._reported.get(view.url)
         if before != state:
             # A member that has not answered yet is starting, not lost: debug, not info.
             quiet = before is None and state == "unreachable"
-            log.log(
-                logging.DEBUG if quiet else logging.INFO,
-                "pool %s: worker %s is %s",
-                self.name,
-                view.url,
-                state,
-            )
+            if state == "stalled (held)":
+                log.warning(
+                    "pool %s: worker %s reports ready again; held out of the rotation until "
+                    "it stays ready %.0f s (it flapped)",
+                    self.name,
+                    view.url,
+                    self.flaps.hold_s(view.url),
+                )
+            else:
+                log.log(
+                    logging.DEBUG if quiet else logging.INFO,
+                    "pool %s: worker %s is %s",
+                    self.name,
+                    view.url,
+                    state,
+                )
             self._reported[view.url] = state
+        if state == "stalled (held)":
+            state = "stalled"
         view.state = state
         lost = self._lost.get(view.url)  # made by the first waiter (none: nobody to tell)
         if lost is None:

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from gateway.app import create_gateway_app
 from gateway.capacity.admission import QueueConfig
 from gateway.capacity.door import Gate
+from gateway.capacity.flaps import FlapPolicy
 from gateway.capacity.pool import Pool
 from gateway.config import GatewayConfig
 from gateway.gateway import Gateway
@@ -79,6 +80,9 @@ def build_gateway(
             seat_share=config.seat_share,
             start_estimate_s=config.replica_start_estimate_s,
             priority_ttft_scale={int(k): v for k, v in config.priority_ttft_scale.items()},
+            flap_policy=FlapPolicy(
+                config.stall_hold_s, config.stall_hold_max_s, config.flap_reset_s
+            ),
         )
         for name, urls in config.pools.items()
     }

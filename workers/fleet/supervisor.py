@@ -61,6 +61,10 @@ class SupervisorConfig:
     restart_max_s: float = 30.0
     stable_after_s: float = 30.0  # ready this long: the crash count starts again
     stall_restart_s: float = 30.0  # stalled this long: killed and restarted
+    # Back from a stall: still `stalled` (to the autoscaler, and for stall_restart_s) until
+    # it reports ready this long in a row, so a replica that flaps accumulates its stall
+    # and is restarted rather than counted ready and stalled by turns.
+    stall_recover_s: float = 5.0
     start_timeout_s: float = 300.0  # starting this long without /ready: killed, restarted
     stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this
 
@@ -136,6 +140,7 @@ class Replica:
     launched_at_s: float = 0.0
     ready_since_s: float | None = None
     stalled_since_s: float | None = None
+    recovering_since_s: float | None = None  # back from a stall: reporting ready since
     restart_at_s: float | None = None  # waiting out a backoff until then
     num_crashes: int = 0
     num_restarts: int = 0
@@ -291,12 +296,25 @@ class LocalSupervisor:
             return
         if replica.state in ("ready", "stalled"):
             if state == "stalled" or (state is None and replica.state == "stalled"):
+                replica.recovering_since_s = None
                 if replica.state != "stalled":
                     log.warning("%s is stalled", replica.replica_id)
                     replica.state = "stalled"
                     replica.stalled_since_s = now
                 elif now - (replica.stalled_since_s or now) > self.config.stall_restart_s:
                     self._crashed(replica, "stalled too long", now)
+            elif state == "ready" and replica.state == "stalled":
+                since = replica.recovering_since_s
+                if since is None:
+                    replica.recovering_since_s = now
+                elif now - since >= self.config.stall_recover_s:
+                    log.info(
+                        "%s is ready again (stalled %.1f s)",
+                        replica.replica_id,
+                        since - (replica.stalled_since_s or since),
+                    )
+                    replica.state = "ready"
+                    replica.stalled_since_s = replica.recovering_since_s = None
             elif state == "ready":
                 replica.state = "ready"
                 replica.stalled_since_s = None
@@ -317,7 +335,7 @@ class LocalSupervisor:
         replica.load = None
         replica.state = "starting"
         replica.ready_since_s = None
-        replica.stalled_since_s = None
+        replica.stalled_since_s = replica.recovering_since_s = None
         replica.num_crashes += 1
         delay = restart_delay_s(
             replica.num_crashes, self.config.restart_base_s, self.config.restart_max_s

@@ -195,3 +195,59 @@ def test_a_stalled_shard_group_is_restarted_whole_with_none_of_its_ranks_left(
         await sup.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_replica_that_flaps_stays_stalled_until_it_holds_ready_and_is_then_restarted(
+    tmp_path: Path,
+) -> None:
+    """Back from a stall it stays `stalled` (capacity already ordered, never replaced)
+    until it reports ready for stall_recover_s in a row; flapping inside that keeps its
+    first stall's clock, so stall_restart_s after it the replica is restarted."""
+
+    async def scenario() -> None:
+        sup, client, members, clock = make(tmp_path)
+        rid = sup.start_replica("small")
+        replica = sup.replicas[rid]
+        url = replica.url
+        client.states[url] = "ready"
+        await sup.tick()
+        client.states[url] = "stalled"
+        await sup.tick()
+        stalled_at = clock.now
+        for _ in range(3):  # ready for less than the hold, then stalled again
+            client.states[url] = "ready"
+            clock.now += 1.0
+            await sup.tick()
+            assert replica.state == "stalled"
+            assert [s.state for s in sup.signals("small")] == ["stalled"]
+            client.states[url] = "stalled"
+            clock.now += 1.0
+            await sup.tick()
+        clock.now = stalled_at + sup.config.stall_restart_s + 1
+        await sup.tick()
+        assert replica.proc is None and replica.num_crashes == 1  # restarted, not replaced
+        assert ("remove", url, True) in members.events
+        assert [s.state for s in sup.signals("small")] == ["starting"]
+        await sup.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_back_from_a_stall_is_ready_once_it_holds_ready(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        sup, client, members, clock = make(tmp_path)
+        replica = sup.replicas[sup.start_replica("small")]
+        client.states[replica.url] = "ready"
+        await sup.tick()
+        client.states[replica.url] = "stalled"
+        await sup.tick()
+        client.states[replica.url] = "ready"
+        await sup.tick()
+        assert replica.state == "stalled"
+        clock.now += sup.config.stall_recover_s
+        await sup.tick()
+        assert replica.state == "ready" and replica.proc is not None
+        assert replica.num_crashes == 0
+        await sup.stop()
+
+    asyncio.run(scenario())
