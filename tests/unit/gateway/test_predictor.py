@@ -202,3 +202,27 @@ def test_would_miss_tells_the_cascade_the_large_pool_is_pressed() -> None:
     assert not pool_with(ready("http://a", 1, running=(20,)), target=None).would_miss(
         "t", 10**6, 50, priority=0
     )  # no target: never pressed by prediction
+
+
+def test_the_target_counts_from_arrival_and_the_measured_error_is_added() -> None:
+    """Time a request spent before the queue (its intake in a burst) is charged to its
+    target, and the mean error of earlier streams' predictions (`ttft_bias_s`, learned
+    at their first token) is added: both refuse what the bare model would accept."""
+    clock = Clock()
+    pool = pool_with(ready("http://a", 1, running=(30,)), clock=clock)  # 1.5 s to a seat
+    on_time = ticket("on-time")
+    pool.admit(on_time)  # 1.5 + 0.1 + 0.05 s: within 2 s
+    assert on_time.predicted_ttft_s == pytest.approx(1.65)
+    assert on_time.start_by == pytest.approx(100.0 + 2.0 - 0.15)
+    slow_intake = ticket("slow-intake")
+    slow_intake.arrived_at = clock.now - 0.5  # half a second before it reached the queue
+    with pytest.raises(OverCapacity) as refused:
+        pool.admit(slow_intake)
+    assert refused.value.predicted_s == pytest.approx(2.15)
+    clock.now += 2.15  # its first token came 2.15 s after arrival: 0.5 s late
+    for _ in range(60):
+        pool.record_ttft(2.15, on_time)
+    assert pool.ttft_bias_s == pytest.approx(0.5, abs=0.01)
+    clock.now = 100.0
+    with pytest.raises(OverCapacity):
+        pool.admit(ticket("after-learning"))  # 1.65 + 0.5 s of measured error > 2 s
