@@ -208,21 +208,36 @@ class LoadOptions:
     model: str = "auto"
     seed: int = 0
     timeout_s: float = 120.0
+    # How often each kind of `mix` is picked (relative); None: uniformly.
+    weights: tuple[float, ...] | None = None
+    # False: a new connection per request (llama-server may close a kept-alive one right
+    # after a stream, failing the next request before any byte; docs/benchmarks/peers.md).
+    keepalive: bool = True
+
+
+def pick_kind(opts: LoadOptions, rng: random.Random) -> str:
+    """One request's kind: uniform over `opts.mix`, or by `opts.weights`."""
+    if opts.weights is None:
+        return rng.choice(opts.mix)
+    return rng.choices(opts.mix, weights=opts.weights)[0]
 
 
 async def run_load(
     opts: LoadOptions, stats: LoadStats, on_tick: Callable[[float], Any] | None = None
 ) -> float:
     """Offer the load; returns the elapsed seconds once every request has ended."""
+    if opts.weights is not None and len(opts.weights) != len(opts.mix):
+        raise ValueError(f"{len(opts.weights)} weights for {len(opts.mix)} kinds of request")
     rng = random.Random(opts.seed)
     schedule = arrival_times(opts.rate_per_s, opts.duration_s, rng)
-    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
+    keepalive = 256 if opts.keepalive else 0
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=keepalive)
     start = time.perf_counter()
     tasks: set[asyncio.Task] = set()
 
     async def fire(at: float) -> None:
         tenant = rng.randrange(len(opts.keys))
-        kind = rng.choice(opts.mix)
+        kind = pick_kind(opts, rng)
         outcome = Outcome(kind, tenant, at)
         stats.outcomes.append(outcome)
         stats.inflight += 1

@@ -1,4 +1,5 @@
-"""`switchyard bench engine | worker | gateway | upstream | autoscale`: measured comparisons."""
+"""`switchyard bench engine | worker | gateway | upstream | autoscale | slo`: measured
+comparisons."""
 
 import argparse
 import sys
@@ -87,6 +88,59 @@ def _cmd_autoscale(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_slo(args: argparse.Namespace) -> int:
+    from benchmarks.slo.bench import run_slo_bench
+    from benchmarks.slo.levels import ITL_RULES
+    from benchmarks.slo.plan import MIXES, SKIPPABLE
+    from benchmarks.slo.run import SloBenchOptions
+
+    def items(text: str) -> list[str]:
+        return [part.strip() for part in text.split(",") if part.strip()]
+
+    mixes, skip = tuple(items(args.mixes)), frozenset(items(args.skip))
+    if not mixes or set(mixes) - set(MIXES):
+        print(f"error: --mixes takes some of {','.join(MIXES)}", file=sys.stderr)
+        return 2
+    if skip - set(SKIPPABLE):
+        print(f"error: --skip takes some of {','.join(SKIPPABLE)}", file=sys.stderr)
+        return 2
+    if args.itl_rule not in ITL_RULES:
+        print(f"error: --itl-rule takes one of {','.join(ITL_RULES)}", file=sys.stderr)
+        return 2
+    try:
+        factors = tuple(float(f) for f in items(args.factors))
+        seqs = tuple(int(n) for n in items(args.oracle_seqs))
+    except ValueError:
+        print("error: --factors takes numbers, --oracle-seqs whole numbers", file=sys.stderr)
+        return 2
+    if not factors or any(f <= 0 for f in factors) or any(n < 1 for n in seqs):
+        print("error: --factors must be > 0 and --oracle-seqs >= 1", file=sys.stderr)
+        return 2
+    run_slo_bench(
+        SloBenchOptions(
+            config=Path(args.config),
+            out=Path(args.out) if args.out else None,
+            mixes=mixes,
+            factors=factors,
+            duration_s=args.duration,
+            capacity_s=args.capacity_duration,
+            capacity_concurrency=args.capacity_concurrency,
+            capacity_per_s=args.capacity,
+            skip=skip,
+            oracle_seqs=seqs,
+            oracle_duration_s=args.oracle_duration,
+            llama_slots=args.llama_slots,
+            llama_threads=args.llama_threads,
+            guidellm_levels=args.guidellm_levels,
+            itl_rule=args.itl_rule,
+            tenants=args.tenants,
+            seed=args.seed,
+            work_dir=Path(args.work_dir) if args.work_dir else None,
+        )
+    )
+    return 0
+
+
 # The bench target (`args.target`) -> its handler.
 ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
     "engine": _cmd_engine,
@@ -94,6 +148,7 @@ ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
     "gateway": _cmd_gateway,
     "upstream": _cmd_upstream,
     "autoscale": _cmd_autoscale,
+    "slo": _cmd_slo,
 }
 
 
@@ -175,3 +230,50 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     ba.add_argument("--out", default="bench-results", help="where JSON and markdown go")
     ba.add_argument("--quick", action="store_true", help="a small smoke run, not the real figures")
     ba.add_argument("--seed", type=int, default=0, help="the arrivals' random seed")
+    bs = bench.add_parser(
+        "slo",
+        help="latency targets under open-loop load: the stack beside today's admission, an "
+        "oracle batch size and llama-server, GuideLLM beside (docs/benchmarks/slo.md)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    bs.add_argument("--config", default="configs/serve.yaml", help="the serve config to start")
+    bs.add_argument("--out", default="bench-results/slo.json", help="the JSON report")
+    bs.add_argument("--mixes", default="tour,long-heavy", help="comma list of tour,long-heavy")
+    bs.add_argument(
+        "--factors", default="0.25,0.5,1,2,3", help="offered load, multiples of the capacity"
+    )
+    bs.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per level")
+    bs.add_argument(
+        "--capacity-duration", type=float, default=15.0, help="the closed loop's counted seconds"
+    )
+    bs.add_argument("--capacity-concurrency", type=int, default=8, help="closed-loop streams")
+    bs.add_argument(
+        "--capacity", type=float, default=None, help="requests/s: use this, measure nothing"
+    )
+    bs.add_argument(
+        "--skip", default="", help="comma list of baseline,oracle,llama,guidellm to leave out"
+    )
+    bs.add_argument(
+        "--oracle-seqs", default="2,4,8,16", help="the oracle's static max_num_seqs sweep"
+    )
+    bs.add_argument(
+        "--oracle-duration",
+        type=float,
+        default=None,
+        help="seconds of arrivals per oracle level (None: half of --duration)",
+    )
+    bs.add_argument("--llama-slots", type=int, default=4, help="llama-server -np")
+    bs.add_argument("--llama-threads", type=int, default=2, help="llama-server -t")
+    bs.add_argument("--guidellm-levels", type=int, default=5, help="GuideLLM's sweep size")
+    bs.add_argument(
+        "--itl-rule",
+        default="p99",
+        help="a request meets the ITL target when its own p99 gap (p99) or its largest (max) does",
+    )
+    bs.add_argument("--tenants", type=int, default=2, help="tenants slo-1..N, one key each")
+    bs.add_argument("--seed", type=int, default=0, help="the arrivals' random seed")
+    bs.add_argument(
+        "--work-dir",
+        default=None,
+        help="stack configs, logs, GuideLLM's report (None: a new temp dir)",
+    )
