@@ -42,6 +42,8 @@ class FakeBackend:
         self.seats: int | None = None
         self.decode_step_s: float | None = None
         self.prefill_tokens_per_s: float | None = None
+        self.itl_target_s: float | None = None
+        self.step_s: float | None = None
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 (ASGI)
         if scope["type"] == "lifespan":
@@ -115,6 +117,8 @@ class FakeBackend:
             seats=self.seats,
             decode_step_s=self.decode_step_s,
             prefill_tokens_per_s=self.prefill_tokens_per_s,
+            itl_target_s=self.itl_target_s,
+            step_s=self.step_s,
         )
         return msgspec.structs.asdict(report)
 

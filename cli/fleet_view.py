@@ -10,6 +10,9 @@ def render_fleet(doc: dict[str, Any]) -> str:
         if pool.get("min_replicas") is not None:
             bounds = f" (replicas {pool['min_replicas']}..{pool['max_replicas']})"
         lines.append(f"pool {name}{bounds}: {pool.get('waiting', 0)} waiting in the gateway")
+        capacity = pool.get("capacity")
+        if capacity:
+            lines += render_capacity(capacity)
         replicas = pool.get("replicas")
         if replicas is None:  # a gateway without a supervisor: its static members
             for w in pool.get("workers", []):
@@ -62,3 +65,36 @@ def render_fleet(doc: dict[str, Any]) -> str:
                 f"service {fmt(signals['mean_service_s'])} s"
             )
     return "\n".join(lines)
+
+
+def _s(value: Any, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f} s"
+
+
+def render_capacity(capacity: dict[str, Any]) -> list[str]:
+    """A pool's capacity model and its decisions (the `capacity` of GET /admin/fleet):
+    its targets, the TTFT predicted for a typical request now, refusals by reason and
+    goodput; then each worker's seats, step times and prefill rate."""
+    refusals = capacity.get("refusals") or {}
+    refused = ", ".join(f"{k} {v}" for k, v in sorted(refusals.items())) or "none"
+    served, met = capacity.get("served", 0), capacity.get("goodput", 0)
+    share = f" ({100 * met / served:.0f}%)" if served else ""
+    lines = [
+        f"  capacity: TTFT target {_s(capacity.get('ttft_target_s'))}, "
+        f"ITL target {_s(capacity.get('itl_target_s'), 3)}, "
+        f"predicted TTFT {_s(capacity.get('predicted_ttft_s'))}, "
+        f"completion ratio {capacity.get('completion_ratio', 1.0):.2f}",
+        f"  refused: {refused}; goodput {met}/{served} served within targets{share}",
+    ]
+    for w in capacity.get("workers", []):
+        if w.get("seats") is None:
+            lines.append(f"    {w['url']:<28} no capacity model reported")
+            continue
+        rate = w.get("prefill_tokens_per_s")
+        measured = f" (measured {_s(w['step_s'], 3)})" if w.get("step_s") is not None else ""
+        lines.append(
+            f"    {w['url']:<28} seats {w['seats']:>3}, step {_s(w.get('decode_step_s'), 3)}"
+            f"{measured}, prefill {'-' if rate is None else f'{rate:.0f}'} tok/s, "
+            f"ITL target {_s(w.get('itl_target_s'), 3)}"
+        )
+    return lines

@@ -19,8 +19,9 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 P = "switchyard_gateway_"
@@ -93,13 +94,19 @@ class MetricsAccess:
         return any(address in net for net in self._networks)
 
 
+# The reasons a pool refuses before any token (`gateway.capacity.pool.refusal_reason`),
+# exported at 0 until one happens so `rate()` sees every series from the start.
+REFUSAL_REASONS = ("predicted", "late", "queue_full", "deadline", "no_replica")
+
+
 class _PoolCollector(Collector):
-    """Queue depth per pool and ready replicas, read at scrape time."""
+    """Per pool, read at scrape time: queue depth, replicas, and the capacity model and its
+    decisions (`gateway.capacity.pool.Pool`: targets, predicted TTFT, refusals, goodput)."""
 
     def __init__(self, pools: Callable[[], dict[str, Any]]) -> None:
         self._pools = pools
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         depth = GaugeMetricFamily(
             P + "queue_depth", "Requests waiting in the gateway's queue, per pool.", labels=["pool"]
         )
@@ -108,7 +115,8 @@ class _PoolCollector(Collector):
             "Replicas of a pool by state (as polled).",
             labels=["pool", "state"],
         )
-        for name, pool in self._pools().items():
+        pools = self._pools()
+        for name, pool in pools.items():
             depth.add_metric([name], pool.controller.num_waiting)
             states: dict[str, int] = {}
             for view in pool.views.values():
@@ -117,6 +125,68 @@ class _PoolCollector(Collector):
                 replicas.add_metric([name, state], num)
         yield depth
         yield replicas
+        yield from _capacity_families(pools)
+
+
+def _capacity_families(pools: dict[str, Any]) -> Iterator[Metric]:
+    """The capacity model of each pool and what it decided (`Pool.refusals`, `Pool.goodput`)."""
+    refusals = CounterMetricFamily(
+        P + "refusals",
+        "Requests a pool refused before any token, by reason: predicted (over its TTFT target "
+        "at arrival), late (its latest start passed in the queue), queue_full, deadline, "
+        "no_replica.",
+        labels=["pool", "reason"],
+    )
+    served = CounterMetricFamily(
+        P + "served_requests",
+        "Requests a pool's worker answered to their end (status 200), streams and not.",
+        labels=["pool"],
+    )
+    goodput = CounterMetricFamily(
+        P + "goodput_requests",
+        "Served requests that met their targets: a stream's first token within its TTFT "
+        "target and no gap between tokens past the pool's ITL target (none reported: TTFT "
+        "alone); a non-stream's whole answer within TTFT target + tokens x ITL target.",
+        labels=["pool"],
+    )
+    predicted = GaugeMetricFamily(
+        P + "predicted_ttft_seconds",
+        "Predicted arrival to first token, at scrape time, of a typical request (the mean "
+        "size of the pool's served requests) of a tenant with nothing waiting, from the "
+        "capacity model admission uses; absent without a capacity model.",
+        labels=["pool"],
+    )
+    ttft_target = GaugeMetricFamily(
+        P + "ttft_target_seconds",
+        "The pool's TTFT target (priority 0's; absent: none, admission by counts only).",
+        labels=["pool"],
+    )
+    itl_target = GaugeMetricFamily(
+        P + "itl_target_seconds",
+        "The ITL target the pool's workers report in /load (the strictest; absent: none).",
+        labels=["pool"],
+    )
+    ratio = GaugeMetricFamily(
+        P + "completion_ratio",
+        "Output tokens generated per max_tokens allowed, over recent requests (EWMA), as "
+        "admission expects of a request.",
+        labels=["pool"],
+    )
+    for name, pool in pools.items():
+        counts = {reason: 0 for reason in REFUSAL_REASONS} | pool.refusals
+        for reason, num in counts.items():
+            refusals.add_metric([name, reason], num)
+        served.add_metric([name], pool.goodput.served)
+        goodput.add_metric([name], pool.goodput.met)
+        ttft_s = pool.typical_ttft_s()
+        if ttft_s is not None:
+            predicted.add_metric([name], ttft_s)
+        if pool.ttft_target_s is not None:
+            ttft_target.add_metric([name], pool.ttft_target_s)
+        if pool.itl_target_s is not None:
+            itl_target.add_metric([name], pool.itl_target_s)
+        ratio.add_metric([name], pool.completion_ratio)
+    yield from (refusals, served, goodput, predicted, ttft_target, itl_target, ratio)
 
 
 class _KeptChildren:

@@ -1,6 +1,7 @@
 """Admin API under /admin/, behind the admin key: tenants, their keys, routing, the fleet.
 (Usage is in usage.py, classifiers and labels in learning.py.)"""
 
+import math
 from dataclasses import asdict
 from typing import Any
 
@@ -11,6 +12,7 @@ from cascade.policy import InvalidRouting, merge_settings, settings_to_dict
 from gateway.api.admin_base import AdminController, AdminUser, GatewayDep, cascade_of
 from gateway.api.admin_schemas import NewKey, NewTenant, TenantBody, tenant_changes, whole_tenant
 from gateway.api.bodies import read_struct
+from gateway.capacity.pool import Pool
 from gateway.gateway import Gateway
 from quota.errors import TenantNotFound
 from workers.api.types import ApiError
@@ -139,7 +141,8 @@ async def _store_routing(gw: Gateway, request: Request, who: str, merge: bool) -
 class FleetController(AdminController):
     @get("/fleet")
     async def fleet(self, gw: GatewayDep) -> dict[str, Any]:
-        """Per pool: the gateway's queue, its workers and the live view (/dashboard)."""
+        """Per pool: the gateway's queue, its workers, the live view (/dashboard) and the
+        capacity model with its decisions (`capacity`)."""
         extra = gw.fleet_status() if gw.fleet_status is not None else {}
         return {
             name: {
@@ -151,7 +154,41 @@ class FleetController(AdminController):
                 "ttft_p99_s": pool.ttft_quantile_s(0.99),
                 "tokens_per_s": round(pool.tokens_per_s(), 2),
                 "ready_replicas": sum(v.state == "ready" for v in pool.views.values()),
+                "capacity": _capacity(pool),
                 **extra.get(name, {}),
             }
             for name, pool in gw.pools.items()
         }
+
+
+def _capacity(pool: Pool) -> dict[str, Any]:
+    """What admission reasons over and what it decided: the targets (None: none), the TTFT
+    predicted for a typical request arriving now (None: no capacity model), refusals by
+    reason and goodput since start (`gateway.capacity.goodput`), and each worker's model
+    as its /load reports it (None: not reported)."""
+    predicted = pool.typical_ttft_s()
+    return {
+        "ttft_target_s": pool.ttft_target_s,
+        "itl_target_s": pool.itl_target_s,
+        "predicted_ttft_s": None if predicted is None else round(predicted, 4),
+        "completion_ratio": round(pool.completion_ratio, 3),
+        "refusals": dict(pool.refusals),
+        "served": pool.goodput.served,
+        "goodput": pool.goodput.met,
+        "workers": [
+            {
+                "url": v.url,
+                "seats": v.seats,
+                "decode_step_s": _finite(v.decode_step_s),
+                "prefill_tokens_per_s": _finite(v.prefill_tokens_per_s),
+                "step_s": _finite(v.step_s),
+                "itl_target_s": _finite(v.itl_target_s),
+            }
+            for v in pool.views.values()
+        ],
+    }
+
+
+def _finite(value: float | None) -> float | None:
+    """A worker's number as JSON carries it: None for one that is not finite."""
+    return value if value is not None and math.isfinite(value) else None

@@ -41,6 +41,8 @@ class WorkerView:
     running_prefill_tokens: int = 0
     running_remaining: tuple[int, ...] = ()
     waiting_max_tokens: tuple[int, ...] = ()
+    itl_target_s: float | None = None  # the inter-token latency its seats are sized for
+    step_s: float | None = None  # its recent mean step time, measured
     ready_at: float | None = None  # when it was first seen ready (the pool's clock)
     seen_loading: bool = False  # it reported `loading` (it was seen starting)
 

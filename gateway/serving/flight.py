@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gateway.capacity.admission import Ticket
+from gateway.capacity.goodput import meets_targets
 from gateway.capacity.lease import Lease
 from gateway.serving.plan import Plan, PublicRequest, Served, billed
 from gateway.serving.record import Outcome, RequestRecord
@@ -37,6 +38,8 @@ class Attempt:
     upstream: UpstreamResponse | None = None
     opening: "asyncio.Future[UpstreamResponse] | None" = None  # its dispatch, while pending
     reading: "asyncio.Future[bytes] | None" = None  # the relay's pending read (abort cancels it)
+    first_token_s: float | None = None  # a stream: arrival to its first token relayed
+    max_itl_s: float = 0.0  # a stream: its longest gap between tokens relayed
 
 
 class Flight:
@@ -146,6 +149,8 @@ class Flight:
         parts: list[UsagePart] = []
         model, route = plan.pool, plan.route
         cut = False  # a worker's answer that never reached its end
+        answering: Attempt | None = None  # the attempt whose answer the client got
+        answer_tokens = 0
         for i, a in enumerate(self.attempts):
             if a.opening is not None:
                 a.opening.cancel()  # no-op once done
@@ -166,16 +171,33 @@ class Flight:
             details = bill.prompt_tokens_details
             cached = details.cached_tokens if details is not None else 0
             parts.append(UsagePart(model, bill.prompt_tokens, cached, bill.completion_tokens))
+            answering, answer_tokens = a, bill.completion_tokens
             charged += bill.total_tokens
         status = record.status if record.status is not None else 499
         if status == 200 and cut:
             status = 499  # the client left before the answer ended
         record.status, record.tokens = status, charged
+        if status == 200 and answering is not None:
+            _count_goodput(answering, plan, answer_tokens, time.perf_counter() - record.arrived_at)
         latency_ms = round((time.perf_counter() - record.arrived_at) * 1000)
         outcome = Outcome(record.key_id, model, route, status, latency_ms, tuple(parts))
         self.gw.reconcile_later(self.reservation, charged, outcome)
         if self.key_reservation is not None:  # the key's own windows: the same charge
             self.gw.reconcile_later(self.key_reservation, charged)
+
+
+def _count_goodput(attempt: Attempt, plan: Plan, num_tokens: int, whole_s: float) -> None:
+    """A request served to its end by `attempt`: counted in its pool's goodput."""
+    pool, ticket = attempt.lease.pool, attempt.lease.ticket
+    met = meets_targets(
+        ticket.ttft_target_s,
+        pool.itl_target_s,
+        first_token_s=attempt.first_token_s,
+        max_itl_s=attempt.max_itl_s,
+        whole_s=whole_s,
+        num_tokens=-(-num_tokens // max(1, plan.n)),  # per sample: they decode side by side
+    )
+    pool.goodput.record(met, ticket.prompt_tokens, ticket.max_tokens)
 
 
 def _close(upstream: UpstreamResponse) -> None:

@@ -121,13 +121,16 @@ async def _relay_events(
                 first = False
                 last_at, last_tokens = time.monotonic(), tokens
                 attempt.lease.pool.record_ttft(last_at - flight.started_at, attempt.lease.ticket)
+                attempt.first_token_s = time.perf_counter() - arrived_at
                 if metrics is not None:
-                    metrics.ttft.labels(pool).observe(time.perf_counter() - arrived_at)
-            elif tokens > last_tokens and metrics is not None:
+                    metrics.ttft.labels(pool).observe(attempt.first_token_s)
+            elif tokens > last_tokens:
                 now = time.monotonic()
                 gap = (now - last_at) / (tokens - last_tokens)
-                for _ in range(min(tokens - last_tokens, 16)):
-                    metrics.itl.labels(pool).observe(gap)
+                attempt.max_itl_s = max(attempt.max_itl_s, gap)  # for the pool's goodput
+                if metrics is not None:
+                    for _ in range(min(tokens - last_tokens, 16)):
+                        metrics.itl.labels(pool).observe(gap)
                 last_at, last_tokens = now, tokens
     except StreamAborted:
         err = to_api_error(flight.abort_error, gw.rng)
