@@ -5,6 +5,7 @@ the N = 1 engine's and transformers' for the same checkpoint, and logprobs agree
 transformers' forward pass within fp32 tolerance.
 """
 
+import os
 import random
 from pathlib import Path
 
@@ -39,8 +40,11 @@ def engine_config(num_blocks: int = 256) -> EngineConfig:
 
 @pytest.fixture
 def sharded(request):
-    """`sharded(path, config)`: an engine over two ranks, closed after the test."""
+    """`sharded(path, config)`: an engine over two ranks, closed after the test; rank 0
+    (this process) is pinned to its slice of the cores while the group runs and has all
+    of them back once it is closed."""
     launchers = []
+    cpus = os.sched_getaffinity(0)
 
     def start(path: Path, config: EngineConfig) -> LLMEngine:
         engine, launcher = sharded_engine(
@@ -53,6 +57,7 @@ def sharded(request):
     for launcher in launchers:
         launcher.close()
         assert [p.returncode for p in launcher.procs] == [0]
+    assert os.sched_getaffinity(0) == cpus
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -115,7 +115,10 @@ class ShardGroupLauncher:
             self.procs.append(
                 subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
             )
-        pin_to(slices[0] if slices else None)  # after the others inherited the whole set
+        # Rank 0 is this process: pinned after the others inherited the whole set, and
+        # given its cores back on close (a process that outlives its group, a test's).
+        self._cpus_before = sorted(os.sched_getaffinity(0)) if slices else None
+        pin_to(slices[0] if slices else None)
         log.info(
             "shard group of %d: rank 0 is pid %d, ranks 1..%d are pids %s (store 127.0.0.1:%d)",
             self.size,
@@ -210,6 +213,8 @@ class ShardGroupLauncher:
                 proc.wait()
         if group is not None:
             group.close()
+        pin_to(self._cpus_before)
+        self._cpus_before = None
 
 
 def sharded_engine(
