@@ -94,6 +94,10 @@ class EngineConfig:
     # padding and buffers run without recording, on any device (to tell a capture
     # problem from a bucketing one).
     decode_graphs: str = "auto"
+    # A worker runs a fixed plan of synthetic steps before it reports ready
+    # (`workers.engine.calibration`), so its step model bounds the batch and /load reports
+    # its capacity from the first request. False: it learns from live steps only.
+    calibrate: bool = True
     threads: int | None = None  # torch intra-op threads; None = CPUs we may run on, at most 8
     scheduler: SchedulerConfig | None = None
     grammar_cache: GrammarCacheConfig = field(default_factory=GrammarCacheConfig)

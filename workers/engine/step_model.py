@@ -91,6 +91,18 @@ class StepModel:
             self._since_fit = 0
             self.fit = fit_steps(list(self._samples))
 
+    def reset(self) -> None:
+        """Forget every step seen (and the fit)."""
+        self._samples.clear()
+        self._since_fit = 0
+        self.fit = None
+        self.num_observed = 0
+
+    def refit(self) -> None:
+        """Fit now to the steps seen, whatever their number (calibration's end)."""
+        self._since_fit = 0
+        self.fit = fit_steps(list(self._samples)) if self._samples else None
+
     def recent_step_s(self, last: int = 16) -> float | None:
         """Mean wall time of the last `last` steps; None before any."""
         if not self._samples:

@@ -10,6 +10,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from workers.engine.async_engine import AsyncEngine
+from workers.engine.calibration import calibrate
 from workers.engine.config import EngineConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.server.app import create_worker_app
@@ -51,6 +52,14 @@ def build_worker(
             log.exception("failed to load %s", model_dir)
             service.load_error = str(exc)
             return
+        if engine_config.calibrate:
+            try:
+                calibrate(engine)
+            except Exception:  # it serves uncalibrated: the step model learns live
+                log.exception("calibration failed; the step model learns from live steps")
+                for request_id in list(engine.scheduler.requests):
+                    engine.abort(request_id)
+                engine.step_model.reset()
         aengine = AsyncEngine(engine)
         if on_engine is not None:
             on_engine(aengine)
