@@ -1,5 +1,5 @@
-"""`switchyard bench engine | worker | gateway | upstream | autoscale | slo`: measured
-comparisons."""
+"""`switchyard bench engine | worker | gateway | upstream | autoscale | slo | dtype`:
+measured comparisons."""
 
 import argparse
 import sys
@@ -142,6 +142,25 @@ def _cmd_slo(args: argparse.Namespace) -> int:
 
 
 # The bench target (`args.target`) -> its handler.
+def _cmd_dtype(args: argparse.Namespace) -> int:
+    from benchmarks.dtype_bench import DtypeBenchOptions, run_dtype_bench
+
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file():  # a known model's name: fetched once
+        from cli.commands.models import cache_dir
+        from workers.errors import ModelFetchError
+        from workers.models.fetch import fetch_model
+        from workers.models.registry import find_model
+
+        try:
+            model_dir = fetch_model(find_model(args.model), cache_dir(None)).path
+        except ModelFetchError as exc:
+            print(f"error: --model {args.model}: {exc}", file=sys.stderr)
+            return 2
+    run_dtype_bench(DtypeBenchOptions(model_dir, Path(args.out), args.num_tokens))
+    return 0
+
+
 ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
     "engine": _cmd_engine,
     "worker": _cmd_worker,
@@ -149,6 +168,7 @@ ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
     "upstream": _cmd_upstream,
     "autoscale": _cmd_autoscale,
     "slo": _cmd_slo,
+    "dtype": _cmd_dtype,
 }
 
 
@@ -230,6 +250,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     ba.add_argument("--out", default="bench-results", help="where JSON and markdown go")
     ba.add_argument("--quick", action="store_true", help="a small smoke run, not the real figures")
     ba.add_argument("--seed", type=int, default=0, help="the arrivals' random seed")
+    bd = bench.add_parser(
+        "dtype",
+        help="bfloat16 against float32 on a model: greedy closeness and step speed",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    bd.add_argument(
+        "--model", default="smollm2-135m-instruct", help="a known model's name or a checkpoint dir"
+    )
+    bd.add_argument("--out", default="bench-results/dtype.json", help="the JSON report")
+    bd.add_argument("--num-tokens", type=int, default=48, help="greedy tokens per prompt")
     bs = bench.add_parser(
         "slo",
         help="latency targets under open-loop load: the stack beside today's admission, an "

@@ -62,7 +62,9 @@ DECODE_GRAPH_MODES = ("auto", "off", "eager")
 class EngineConfig:
     """Everything the engine needs besides the checkpoint directory."""
 
-    dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    # "float32" | "bfloat16" | "float16" | "auto": bfloat16 where the device runs it natively
+    # (a GPU; a CPU with AVX512-BF16 or AMX), else float32 (`workers.runner.loader.resolve_dtype`).
+    dtype: str = "float32"
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # fixed KV pool size; None = planned as below

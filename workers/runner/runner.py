@@ -3,7 +3,7 @@
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,7 +17,7 @@ from workers.runner import native
 from workers.runner.attention import AttentionMetadata, PrefillSeq
 from workers.runner.decode_graphs import DecodeGraphs
 from workers.runner.decode_workspace import DecodeWorkspace
-from workers.runner.loader import load_weights, parse_dtype
+from workers.runner.loader import load_weights, parse_dtype, resolve_dtype
 from workers.runner.memory import HugeArena, zeros
 from workers.runner.model import CausalLM, ModelWeights
 from workers.runner.packing import can_pack, map_linears, pack_weights
@@ -72,11 +72,13 @@ class ModelRunner:
         """`shard`: this process is one rank of a shard group (`workers.tp`) and holds its
         share of the heads, MLP columns and vocabulary; None = the whole model here."""
         t0 = time.perf_counter()
+        self.device = torch.device(config.device)
+        if config.dtype == "auto":
+            config = replace(config, dtype=resolve_dtype(config.dtype, self.device))
         self.config = config
         self.shard = shard
         self.num_threads = plan_threads(config.threads, num_cpus())
         torch.set_num_threads(self.num_threads)
-        self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
         self.model_config = load_model_config(model_dir)
         self.max_model_len = plan_max_model_len(config.max_model_len, self.model_config.max_context)
