@@ -72,14 +72,18 @@ def test_a_burst_past_capacity_is_refused_before_any_token_and_accepted_streams_
     demo_dir,
 ):
     body = {"model": "small", "prompt": "Once upon a time", "max_tokens": 96, "min_tokens": 96}
-    with running_worker(demo_dir, max_num_seqs=4, itl_target_s=ITL_TARGET_S) as worker:
+    with running_worker(
+        demo_dir, max_num_seqs=4, itl_target_s=ITL_TARGET_S, calibrate=True
+    ) as worker:
         with gateway_in_front(
             {"small": [worker.url]},
             ttft_target_s={"small": TTFT_TARGET_S},
             load_poll_interval_s=0.05,
             door=False,
         ) as gw:
-            with gw.client() as c:  # the worker learns its step times from real steps
+            # The worker calibrated its step times at start, as a real one does, and
+            # goes on learning from real steps; the gateway learns its completion ratio.
+            with gw.client() as c:
                 for _ in range(3):
                     assert c.post("/v1/completions", json=body).status_code == 200
             assert eventually(lambda: load(worker.url)["decode_step_s"] is not None)

@@ -56,6 +56,7 @@ def running_worker(
     num_kv_blocks: int = 256,
     max_num_seqs: int = 16,
     itl_target_s: float | None = None,
+    calibrate: bool = False,
     **worker_kw,
 ):
     scheduler = SchedulerConfig(
@@ -64,6 +65,10 @@ def running_worker(
     engine = LLMEngine.from_pretrained(
         model_dir, EngineConfig(num_kv_blocks=num_kv_blocks, block_size=16, scheduler=scheduler)
     )
+    if calibrate:  # as `switchyard worker` does before it reports ready
+        from workers.engine.calibration import calibrate as run_calibration
+
+        run_calibration(engine)
     aengine = AsyncEngine(engine)
     aengine.start()
     config = WorkerConfig(served_model_names=["small", "demo"], **worker_kw)
