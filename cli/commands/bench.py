@@ -167,8 +167,8 @@ ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
     "gateway": _cmd_gateway,
     "upstream": _cmd_upstream,
     "autoscale": _cmd_autoscale,
-    "slo": _cmd_slo,
     "dtype": _cmd_dtype,
+    "slo": _cmd_slo,
 }
 
 

@@ -103,3 +103,18 @@ def test_a_worker_reports_its_capacity_from_its_first_ready_load(llama_dir, cali
         thread.join(timeout=30)
         if service.engine is not None:
             service.engine.shutdown()
+
+
+def test_a_failed_calibration_counts_against_nothing(llama_dir) -> None:
+    """A broken device fails calibration's first step: the error is raised for the
+    worker to log, and the failure counters that end an engine are as they were, so
+    the first real requests still fail alone (the engine dies only after its own bound)."""
+    engine = LLMEngine.from_pretrained(llama_dir, engine_config())
+
+    def broken(batch, tables):
+        raise RuntimeError("device lost")
+
+    engine.runner.execute = broken
+    with pytest.raises(RuntimeError, match="device lost"):
+        calibrate(engine)
+    assert engine._num_failed_steps == 0 and engine.num_failed_requests == 0

@@ -79,20 +79,24 @@ def calibrate(engine: LLMEngine, seed: int = 0) -> Calibration:
         engine.num_generated_tokens,
         engine.num_prompt_tokens_computed,
         engine.num_failed_requests,
+        engine._num_failed_steps,
     )
     started = time.perf_counter()
     steps = 0
-    _run_round(engine, rng, vocab, 1, rounds[0][1], "warm")  # unmeasured
-    engine.step_model.reset()
-    for i, (num_seqs, prompt_tokens) in enumerate(rounds):
-        steps += _run_round(engine, rng, vocab, num_seqs, prompt_tokens, str(i))
-    engine.step_model.refit()
-    (
-        engine.num_generated_tokens,
-        engine.num_prompt_tokens_computed,
-        engine.num_failed_requests,
-    ) = counters
-    engine.kv.stats = PrefixCacheStats()
+    try:
+        _run_round(engine, rng, vocab, 1, rounds[0][1], "warm")  # unmeasured
+        engine.step_model.reset()
+        for i, (num_seqs, prompt_tokens) in enumerate(rounds):
+            steps += _run_round(engine, rng, vocab, num_seqs, prompt_tokens, str(i))
+        engine.step_model.refit()
+    finally:  # a failed calibration counts against nothing either
+        (
+            engine.num_generated_tokens,
+            engine.num_prompt_tokens_computed,
+            engine.num_failed_requests,
+            engine._num_failed_steps,
+        ) = counters
+        engine.kv.stats = PrefixCacheStats()
     seconds = time.perf_counter() - started
     result = Calibration(steps, seconds, engine.step_model.fitted)
     fit = engine.step_model.fit
