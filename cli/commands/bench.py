@@ -141,7 +141,6 @@ def _cmd_slo(args: argparse.Namespace) -> int:
     return 0
 
 
-# The bench target (`args.target`) -> its handler.
 def _cmd_dtype(args: argparse.Namespace) -> int:
     from benchmarks.dtype_bench import DtypeBenchOptions, run_dtype_bench
 
@@ -161,6 +160,7 @@ def _cmd_dtype(args: argparse.Namespace) -> int:
     return 0
 
 
+# The bench target (`args.target`) -> its handler.
 ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
     "engine": _cmd_engine,
     "worker": _cmd_worker,

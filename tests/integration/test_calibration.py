@@ -118,3 +118,20 @@ def test_a_failed_calibration_counts_against_nothing(llama_dir) -> None:
     with pytest.raises(RuntimeError, match="device lost"):
         calibrate(engine)
     assert engine._num_failed_steps == 0 and engine.num_failed_requests == 0
+    assert not engine.has_unfinished_requests() and not engine.step_model.fitted
+    assert engine.kv.pool.num_used_blocks == 0
+
+
+def test_calibration_puts_back_counters_that_were_not_zero(llama_dir) -> None:
+    engine = LLMEngine.from_pretrained(llama_dir, engine_config())
+    for _ in range(2):  # the second one hits the first's cached blocks
+        engine.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0))
+    before = engine.stats(0.0)
+    assert before.num_generated_tokens == 8 and before.prefix_cache_hit_tokens > 0
+    calibrate(engine)
+    after = engine.stats(0.0)
+    assert (after.num_generated_tokens, after.num_failed_requests) == (8, 0)
+    assert (after.prefix_cache_query_tokens, after.prefix_cache_hit_tokens) == (
+        before.prefix_cache_query_tokens,
+        before.prefix_cache_hit_tokens,
+    )

@@ -21,7 +21,6 @@ import random
 import time
 from dataclasses import dataclass
 
-from kvcache.manager import PrefixCacheStats
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
 
@@ -35,7 +34,7 @@ PREFILL_LENGTHS = (64, 256, 768)  # one-sequence rounds, capped by the budget an
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
-    """What a calibration ran, and the fit it left (None: the samples pinned none)."""
+    """What a calibration ran, and whether it left a fit (False: the samples pinned none)."""
 
     num_steps: int
     seconds: float
@@ -67,7 +66,9 @@ def plan(
 
 
 def calibrate(engine: LLMEngine, seed: int = 0) -> Calibration:
-    """Run the plan on `engine` (idle: nothing else is in it) and fit its step model."""
+    """Run the plan on `engine` (idle: nothing else is in it) and fit its step model.
+    On a failure (a step that fails) the error is raised with the engine left idle, its
+    step model empty, and its counters as they were."""
     if engine.has_unfinished_requests():
         raise RuntimeError("calibration needs an idle engine")
     sched = engine.scheduler.config
@@ -75,28 +76,20 @@ def calibrate(engine: LLMEngine, seed: int = 0) -> Calibration:
     rounds = plan(sched.max_num_seqs, sched.max_num_batched_tokens, engine.max_model_len, kv_tokens)
     rng = random.Random(seed)
     vocab = engine.runner.model_config.vocab_size
-    counters = (
-        engine.num_generated_tokens,
-        engine.num_prompt_tokens_computed,
-        engine.num_failed_requests,
-        engine._num_failed_steps,
-    )
     started = time.perf_counter()
     steps = 0
-    try:
-        _run_round(engine, rng, vocab, 1, rounds[0][1], "warm")  # unmeasured
-        engine.step_model.reset()
-        for i, (num_seqs, prompt_tokens) in enumerate(rounds):
-            steps += _run_round(engine, rng, vocab, num_seqs, prompt_tokens, str(i))
-        engine.step_model.refit()
-    finally:  # a failed calibration counts against nothing either
-        (
-            engine.num_generated_tokens,
-            engine.num_prompt_tokens_computed,
-            engine.num_failed_requests,
-            engine._num_failed_steps,
-        ) = counters
-        engine.kv.stats = PrefixCacheStats()
+    with engine.uncounted():
+        try:
+            _run_round(engine, rng, vocab, 1, rounds[0][1], "warm")  # unmeasured
+            engine.step_model.reset()
+            for i, (num_seqs, prompt_tokens) in enumerate(rounds):
+                steps += _run_round(engine, rng, vocab, num_seqs, prompt_tokens, str(i))
+            engine.step_model.refit()
+        except Exception:  # leave the engine idle and unfitted: it learns from live steps
+            for request_id in list(engine.scheduler.requests):
+                engine.abort(request_id)
+            engine.step_model.reset()
+            raise
     seconds = time.perf_counter() - started
     result = Calibration(steps, seconds, engine.step_model.fitted)
     fit = engine.step_model.fit

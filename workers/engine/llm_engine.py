@@ -1,9 +1,10 @@
 """The engine: a scheduler, a KV manager and a model runner, stepped in one thread."""
 
+import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -216,6 +217,29 @@ class LLMEngine:
             req.finish_reason = FinishReason.ABORT
         self._release_forks()
         return self._output(req, [], None)
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Work run inside is not counted: the engine's own counters (tokens, failures,
+        failed steps in a row) and the prefix cache's are put back as they were on the way
+        out, however it ends. For the engine's own synthetic work (start-up calibration)."""
+        saved = (
+            self.num_generated_tokens,
+            self.num_prompt_tokens_computed,
+            self.num_failed_requests,
+            self._num_failed_steps,
+            replace(self.kv.stats),
+        )
+        try:
+            yield
+        finally:
+            (
+                self.num_generated_tokens,
+                self.num_prompt_tokens_computed,
+                self.num_failed_requests,
+                self._num_failed_steps,
+                self.kv.stats,
+            ) = saved
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._held)

@@ -73,8 +73,7 @@ class ModelRunner:
         share of the heads, MLP columns and vocabulary; None = the whole model here."""
         t0 = time.perf_counter()
         self.device = torch.device(config.device)
-        if config.dtype == "auto":
-            config = replace(config, dtype=resolve_dtype(config.dtype, self.device))
+        config = replace(config, dtype=resolve_dtype(config.dtype, self.device))  # "auto"
         self.config = config
         self.shard = shard
         self.num_threads = plan_threads(config.threads, num_cpus())

@@ -57,9 +57,6 @@ def build_worker(
                 calibrate(engine)
             except Exception:  # it serves uncalibrated: the step model learns live
                 log.exception("calibration failed; the step model learns from live steps")
-                for request_id in list(engine.scheduler.requests):
-                    engine.abort(request_id)
-                engine.step_model.reset()
         aengine = AsyncEngine(engine)
         if on_engine is not None:
             on_engine(aengine)
