@@ -13,6 +13,7 @@ from benchmarks.fake_backend import FakeBackend
 from gateway.app import create_gateway_app
 from gateway.config import GatewayConfig
 from gateway.runtime.main import build_gateway
+from tests.support.quota_books import tokens_charged
 from tests.support.redis_server import redis_url as start_redis
 from tests.support.servers import serving
 
@@ -57,6 +58,11 @@ class Stack:
     def usage(self, key: str) -> dict:
         with self.client(key) as c:
             return c.get("/v1/usage").json()
+
+    def charged(self, tenant_id: str) -> int:
+        """Tokens Redis holds against the tenant, in every minute window (not only the current
+        one, which a passing minute boundary would reset mid-test)."""
+        return tokens_charged(self.redis_url, tenant_id)
 
 
 def run_on_clients(redis_url: str, wrap, body, num_clients: int = 1):  # noqa: ANN001, ANN201

@@ -189,7 +189,7 @@ def test_unsure_small_answer_escalates_and_both_attempts_are_charged(redis_url):
         assert s.backends["large0"].total == 1
         # The fake reports 1 prompt token + 4 completion tokens per attempt: the sure request
         # made one attempt, the unsure one two (small, then large).
-        assert _eventually(lambda: s.usage(key)["tokens_this_minute"] == 3 * 5)
+        assert _eventually(lambda: s.charged("esc") == 3 * 5)
         metrics = httpx.get(f"{s.url}/metrics").text
         assert 'switchyard_cascade_escalations_total{changed="true"} 1.0' in metrics
 
