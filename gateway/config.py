@@ -2,7 +2,28 @@
 
 from dataclasses import dataclass, field
 
+from workers.api.upstreams.base import KINDS
 from workers.api.validation import RequestLimits
+
+UPSTREAM_KINDS = (*KINDS, "auto")
+
+
+@dataclass
+class UpstreamConfig:
+    """What kind of server a pool's members are, and how to talk to them. A pool without
+    one is Switchyard workers (`kind: switchyard`, polled on `/load`)."""
+
+    kind: str = "switchyard"  # one of UPSTREAM_KINDS; auto: detected per member, logged
+    # The upstream's API key (sent as `Authorization: Bearer`): the name of an environment
+    # variable, or a file holding it. Never logged, shown by /admin or the dashboard.
+    api_key_env: str | None = None
+    api_key_file: str | None = None
+    model: str | None = None  # the model name sent upstream; None: the pool's name
+    # Requests one member runs at once; None: what the server says (llama-server's slots),
+    # else the gateway's max_inflight_per_worker. A hosted API's concurrency limit goes here.
+    max_concurrency: int | None = None
+    tokens_per_minute: int | None = None  # the provider's token budget for the whole pool
+    context_length: int | None = None  # when the server does not say (hosted APIs)
 
 
 @dataclass
@@ -10,6 +31,8 @@ class GatewayConfig:
     """Everything the gateway process needs; pools map a pool name to worker URLs."""
 
     pools: dict[str, list[str]] = field(default_factory=dict)
+    # Per pool, the kind of server its members are (gateway/upstreams); default switchyard.
+    upstreams: dict[str, UpstreamConfig] = field(default_factory=dict)
     # Local tokenizer directory (or tokenizer.json) per pool, to count prompt tokens the
     # way the target model does. A pool without one is estimated at 1 token per 3 bytes.
     tokenizers: dict[str, str] = field(default_factory=dict)
