@@ -1,6 +1,7 @@
 """``python -m benchmarks.peers``: set up the peer tools, or smoke-test them together.
 
-setup   build llama-server and install GuideLLM (cached), print where they are
+setup               build llama-server and install GuideLLM (cached), print where they are
+build-llama-server  build llama-server only (cached; what scripts/setup.sh runs)
 smoke   llama-server on a converted checkpoint, a 2-level GuideLLM sweep against it
 """
 
@@ -17,6 +18,8 @@ from pathlib import Path
 from benchmarks.peers.guidellm import ensure_guidellm, format_table, run_guidellm
 from benchmarks.peers.llama_server import (
     LlamaServer,
+    LlamaServerError,
+    built_llama_server,
     convert_to_gguf,
     describe,
     ensure_llama_server,
@@ -52,6 +55,19 @@ def cmd_setup(args: argparse.Namespace) -> int:
     if args.model_dir.exists():
         gguf = convert_to_gguf(args.model_dir, outtype=args.outtype, progress=say)
         print(f"gguf:         {gguf}")
+    return 0
+
+
+def cmd_build_llama_server(args: argparse.Namespace) -> int:
+    say = _progress(time.monotonic())
+    if built_llama_server() is None:
+        say("llama-server: not built for this CPU yet; building (about 15 min on 2 cores)")
+    try:
+        binary = ensure_llama_server(progress=say)
+    except LlamaServerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"llama-server: {binary} ({describe(binary)['version']})")
     return 0
 
 
@@ -122,8 +138,14 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--max-concurrency", type=int, default=8)
             p.add_argument("--data", default="prompt_tokens=128,output_tokens=32")
             p.add_argument("--out-dir", type=Path, default=None)
+    sub.add_parser("build-llama-server", help="build llama-server only (cached)")
     args = parser.parse_args(argv)
-    return {"setup": cmd_setup, "smoke": cmd_smoke}[args.command](args)
+    commands = {
+        "setup": cmd_setup,
+        "build-llama-server": cmd_build_llama_server,
+        "smoke": cmd_smoke,
+    }
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

