@@ -208,6 +208,67 @@ def test_metrics_expose_vllm_style_names(worker):
         assert name in text, name
 
 
+def test_metrics_answer_the_inference_gateway_protocol_as_load_does(worker):
+    """The vLLM names an Inference Extension endpoint picker scrapes, read while one request
+    runs and a second is handed in behind an engine held inside its third step: they parse,
+    carry `model_name`, and say what /load says, the arrival waiting included."""
+    import threading
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    runner = worker.engine.runner
+    original = runner.execute
+    blocked, release = threading.Event(), threading.Event()
+    calls = 0
+
+    def third_step_blocks(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # after a prefill and a decode: running, its KV blocks held
+            runner.execute = original
+            blocked.set()
+            release.wait(30)
+        return original(*args, **kwargs)
+
+    runner.execute = third_step_blocks
+    try:
+        first = _send_async(worker.url, greedy_body(max_tokens=16))
+        assert blocked.wait(10)
+        second = _send_async(worker.url, greedy_body(max_tokens=2))
+        assert eventually(lambda: load(worker.url)["num_waiting"] == 1)
+        report = load(worker.url)
+        families = {
+            f.name: f
+            for f in text_string_to_metric_families(httpx.get(f"{worker.url}/metrics").text)
+        }
+        after = load(worker.url)  # the engine is held: one snapshot throughout
+        engine_fields = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total")
+        assert all(after[k] == report[k] for k in engine_fields)
+    finally:
+        runner.execute = original
+        release.set()
+    first.join(30)
+    second.join(30)
+
+    def value(name: str) -> float:
+        assert families[name].type == "gauge", name
+        [sample] = families[name].samples
+        assert sample.labels == {"model_name": "small"}, name
+        return sample.value
+
+    assert report["num_running"] == 1 and report["kv_blocks_used"] >= 1
+    assert value("vllm:num_requests_waiting") == report["num_waiting"] == 1
+    assert value("vllm:num_requests_running") == report["num_running"]
+    kv = report["kv_blocks_used"] / report["kv_blocks_total"]
+    assert value("vllm:kv_cache_usage_perc") == value("vllm:gpu_cache_usage_perc") == kv
+    [info] = families["vllm:cache_config_info"].samples
+    assert info.value == 1
+    assert info.labels["num_gpu_blocks"] == str(report["kv_blocks_total"])
+    block_size = report["kv_total_tokens"] // report["kv_blocks_total"]
+    assert info.labels["block_size"] == str(block_size) == "16"
+    assert "vllm:lora_requests_info" not in families  # no adapters served: see metrics.py
+
+
 def test_full_waiting_line_gets_503_with_jittered_retry_after(demo_dir):
     # One seat: the second request cannot be admitted soon, so it fills the line.
     with running_worker(demo_dir, max_num_seqs=1, max_waiting_requests=1, stall_timeout_s=60) as w:

@@ -5,6 +5,11 @@ Engine state (queue lengths, KV usage, cumulative engine counters) is the snapsh
 engine thread last published, read at scrape time by a collector, and so is the grammar
 cache's (`GrammarCacheStats`, published by its compiler at each change); per-request
 latencies are observed by the server as they happen.
+
+The same endpoint also answers the Gateway API Inference Extension's model-server protocol
+(docs/proposals/003-model-server-protocol in kubernetes-sigs/gateway-api-inference-extension)
+under the vLLM names its endpoint picker, and llm-d's, scrape by default, so that one can
+route to these workers: `ModelServerProtocolCollector`, a rendering of `/load`.
 """
 
 from collections.abc import Callable, Iterator
@@ -13,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from workers.api.types import LoadReport
 from workers.engine.grammar_cache import GrammarCacheStats
 from workers.engine.stats import EngineStats
 
@@ -117,6 +123,52 @@ class GrammarCacheCollector(Collector):
         yield per_tenant
 
 
+class ModelServerProtocolCollector(Collector):
+    """The model-server protocol's metrics, under vLLM's names and `model_name` label, read
+    from the report `/load` returns at scrape time (None: no engine yet, nothing reported):
+    `vllm:num_requests_waiting` (its TotalQueuedRequests: requests handed in and not yet
+    running), `vllm:num_requests_running`, the KV fraction in use (0-1) as both
+    `vllm:kv_cache_usage_perc` and the older `vllm:gpu_cache_usage_perc`, and
+    `vllm:cache_config_info` (value 1) whose `block_size` and `num_gpu_blocks` labels the
+    pickers' prefix scorers read.
+
+    No `vllm:lora_requests_info`: the protocol asks it of servers that serve LoRA adapters
+    named in `model`, which these workers do not (vLLM too emits it only with LoRA on); the
+    pickers score such a server as one with no adapters, and `--lora-info-metric ""` on
+    the picker stops it looking for the series."""
+
+    def __init__(self, load: Callable[[], LoadReport | None], model: str) -> None:
+        self._load = load
+        self._model = model
+
+    def collect(self) -> Iterator:
+        report = self._load()
+        if report is None:
+            return
+        total = report.kv_blocks_total
+        kv_usage = report.kv_blocks_used / total if total else 0.0
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self._model], value)
+            return g
+
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to run.", report.num_waiting)
+        yield gauge(
+            "vllm:num_requests_running", "Requests in the running batch.", report.num_running
+        )
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", kv_usage)
+        yield gauge("vllm:gpu_cache_usage_perc", "Fraction of KV blocks in use (0-1).", kv_usage)
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "KV cache layout: tokens per block, blocks in all.",
+            labels=["model_name", "block_size", "num_gpu_blocks"],
+        )
+        block_size = report.kv_total_tokens // total if total else 0
+        info.add_metric([self._model, str(block_size), str(total)], 1)
+        yield info
+
+
 class WorkerMetrics:
     """Request-level metrics, observed by the HTTP server."""
 
@@ -156,6 +208,10 @@ class WorkerMetrics:
     def watch_grammars(self, stats: Callable[[], GrammarCacheStats | None]) -> None:
         """Report the grammar cache whose stats `stats` returns (None: no engine yet)."""
         self.registry.register(GrammarCacheCollector(stats, self.model))
+
+    def watch_load(self, load: Callable[[], LoadReport | None]) -> None:
+        """Answer the model-server protocol from the report `load` returns (None: none yet)."""
+        self.registry.register(ModelServerProtocolCollector(load, self.model))
 
     def observe_finished(
         self,

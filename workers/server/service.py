@@ -71,6 +71,7 @@ class WorkerService:
         if engine is not None:
             engine.add_death_callback(self._engine_died)
         metrics.watch_grammars(self._grammar_stats)
+        metrics.watch_load(self._published_load)
 
     @property
     def model_name(self) -> str:
@@ -199,6 +200,11 @@ class WorkerService:
             running_prefill_tokens=stats.running_prefill_tokens,
             waiting_max_tokens=list(stats.waiting_max_tokens),
         )
+
+    def _published_load(self) -> LoadReport | None:
+        """`/load`'s report for /metrics (None while loading: nothing to report yet)."""
+        report = self.load()
+        return None if report.state == "loading" else report
 
     def token_texts(self) -> TokenTexts:
         """The engine's token texts as responses show them (built once, filled as used)."""
