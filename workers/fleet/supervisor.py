@@ -7,6 +7,11 @@ restarts a worker that crashed or stalled (with backoff; it stays `starting` mea
 the autoscaler counts it as capacity already ordered), and retires replicas by draining
 them (`POST /drain` with `exit_when_empty`, the control key when one is set).
 
+A pool's replicas may be another server (llama.cpp's llama-server): its `PoolLaunch` then
+carries the command line and a `ReplicaProbe` of that kind, which says how it is watched
+and whether it can drain itself; one that cannot is taken out of the gateway's rotation,
+watched until its probe shows nothing running, and sent SIGTERM.
+
 Process code lives here, not in `workers.fleet` (the pure policy; an import contract
 keeps subprocess out of it).
 """
@@ -42,6 +47,62 @@ class Membership(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """What one poll of a replica told the supervisor. None: that kind does not report it."""
+
+    state: str  # loading | ready | draining | stalled (a worker's /load state)
+    num_running: int | None = None  # requests being decoded now
+    num_waiting: int | None = None  # requests queued inside the replica
+    kv_free_tokens: int | None = None
+    kv_total_tokens: int | None = None
+    tokens_per_s: float | None = None  # output tokens per second, recently
+
+    @classmethod
+    def from_report(cls, report: LoadReport) -> "ReplicaLoad":
+        return cls(
+            report.state,
+            report.num_running,
+            report.num_waiting,
+            report.kv_free_tokens,
+            report.kv_total_tokens,
+            report.output_tokens_per_s,
+        )
+
+
+class ReplicaProbe(Protocol):
+    """How the supervisor watches one kind of replica process and retires it."""
+
+    # True: `drain` asks the replica to stop admitting and exit once empty, by itself.
+    # False: it cannot; the supervisor takes it out of the rotation, waits until `load`
+    # shows nothing running, then sends SIGTERM (`drain` is never called).
+    drains_itself: bool
+
+    async def load(self, url: str) -> ReplicaLoad | None:
+        """The replica now; None when it does not answer (not up yet, hung, or gone)."""
+        ...
+
+    async def drain(self, url: str, control_key: str | None) -> int:
+        """Ask it to drain; the HTTP status (200: it will exit when empty). May raise."""
+        ...
+
+
+class WorkerProbe:
+    """A Switchyard worker: `/load`, and `POST /drain` with `exit_when_empty`."""
+
+    drains_itself = True
+
+    def __init__(self, client: WorkerClient) -> None:
+        self.client = client
+
+    async def load(self, url: str) -> ReplicaLoad | None:
+        report = await self.client.load(url)
+        return None if report is None else ReplicaLoad.from_report(report)
+
+    async def drain(self, url: str, control_key: str | None) -> int:
+        return await self.client.drain(url, exit_when_empty=True, control_key=control_key)
+
+
 @dataclass
 class PoolLaunch:
     """How to start one replica of a pool: `argv(port)` is its command line."""
@@ -52,6 +113,9 @@ class PoolLaunch:
     # The devices each replica needs from the supervisor's inventory; None: not placed
     # (the replica runs wherever the OS puts it).
     placement: Placement | None = None
+    # How its replicas are watched and drained; None: Switchyard workers (`WorkerProbe`
+    # over the supervisor's client).
+    probe: ReplicaProbe | None = None
 
 
 @dataclass
@@ -144,9 +208,14 @@ class Replica:
     restart_at_s: float | None = None  # waiting out a backoff until then
     num_crashes: int = 0
     num_restarts: int = 0
-    load: LoadReport | None = None
+    load: ReplicaLoad | None = None
     log_path: Path | None = None
     devices: tuple[int, ...] | None = None  # held from the inventory until it is gone
+    # Draining a replica that cannot drain itself: out of the gateway's rotation, and how
+    # many polls in a row have found it idle; SIGTERM sent.
+    left_rotation: bool = False
+    num_idle_polls: int = 0
+    terminated: bool = False
 
     @property
     def url(self) -> str:
@@ -154,13 +223,16 @@ class Replica:
 
     def to_signals(self) -> ReplicaSignals:
         load = self.load if self.state != "starting" else None
+        kv_used = None
+        if load and load.kv_total_tokens is not None and load.kv_free_tokens is not None:
+            kv_used = load.kv_total_tokens - load.kv_free_tokens
         return ReplicaSignals(
             replica_id=self.replica_id,
             state=self.state,
             ordered_at_s=self.ordered_at_s,
             num_running=load.num_running if load else None,
             num_waiting=load.num_waiting if load else None,
-            kv_used_tokens=(load.kv_total_tokens - load.kv_free_tokens) if load else None,
+            kv_used_tokens=kv_used,
             kv_total_tokens=load.kv_total_tokens if load else None,
         )
 
@@ -175,7 +247,7 @@ class Replica:
             "waiting": self.load.num_waiting if self.load else None,
             "kv_free_tokens": self.load.kv_free_tokens if self.load else None,
             "kv_total_tokens": self.load.kv_total_tokens if self.load else None,
-            "tokens_per_s": self.load.output_tokens_per_s if self.load else None,
+            "tokens_per_s": self.load.tokens_per_s if self.load else None,
             "devices": list(self.devices) if self.devices is not None else None,
             "log": str(self.log_path) if self.log_path else None,
         }
@@ -200,6 +272,7 @@ class LocalSupervisor:
         # Where placed pools' replicas get their devices; None: a placement is refused.
         self.inventory = inventory
         self.client = client
+        self.worker_probe = WorkerProbe(client)
         self.membership = membership
         self.config = config
         self.clock = clock
@@ -240,8 +313,19 @@ class LocalSupervisor:
             self._forget(replica, kill=True)
             return
         replica.state = "draining"
-        log.info("draining %s (%s)", replica_id, replica.url)
-        self._spawn(self._send_drain(replica))
+        if self.probe(pool).drains_itself:
+            log.info("draining %s (%s)", replica_id, replica.url)
+            self._spawn(self._send_drain(replica))
+            return
+        # It cannot stop admitting by itself: the gateway stops sending it requests, and
+        # the ticks stop it once it is idle (`_observe_draining`).
+        log.info(
+            "draining %s (%s): out of the rotation, stopped once idle", replica_id, replica.url
+        )
+        self._leave_rotation(replica, lost=False)
+
+    def probe(self, pool: str) -> ReplicaProbe:
+        return self.pools[pool].probe or self.worker_probe
 
     # -- watching -------------------------------------------------------------------------
 
@@ -257,7 +341,7 @@ class LocalSupervisor:
         for replica in list(self.replicas.values()):
             self._check_process(replica, now)
         live = [r for r in self.replicas.values() if r.proc is not None]
-        reports = await asyncio.gather(*(self.client.load(r.url) for r in live))
+        reports = await asyncio.gather(*(self.probe(r.pool).load(r.url) for r in live))
         now = self.clock()
         for replica, report in zip(live, reports, strict=True):
             if replica.replica_id in self.replicas and replica.proc is not None:
@@ -278,9 +362,13 @@ class LocalSupervisor:
             return
         self._crashed(replica, f"exited with status {code}", now)
 
-    def _observe(self, replica: Replica, report: LoadReport | None, now: float) -> None:
+    def _observe(self, replica: Replica, report: ReplicaLoad | None, now: float) -> None:
         replica.load = report
         state = report.state if report is not None else None
+        if replica.state == "draining":
+            if not self.probe(replica.pool).drains_itself:
+                self._observe_draining(replica, report)
+            return
         if replica.state == "starting":
             if state == "ready":
                 replica.state = "ready"
@@ -324,6 +412,29 @@ class LocalSupervisor:
                 ):
                     replica.num_crashes = 0
 
+    def _observe_draining(self, replica: Replica, report: ReplicaLoad | None) -> None:
+        """A replica that cannot drain itself gets SIGTERM once two polls in a row find
+        nothing running in it (the second: after any request the gateway had sent it just
+        before it left the rotation has arrived), or at once when it does not say."""
+        if replica.terminated or replica.proc is None:
+            return
+        if report is not None and report.num_running:
+            replica.num_idle_polls = 0
+            return
+        replica.num_idle_polls += 1
+        if report is not None and report.num_running is None:
+            log.warning("%s does not report what it runs; stopping it now", replica.replica_id)
+        elif replica.num_idle_polls < 2:
+            return
+        log.info("%s is idle; stopping it (SIGTERM)", replica.replica_id)
+        replica.terminated = True
+        replica.proc.terminate()
+
+    def _leave_rotation(self, replica: Replica, lost: bool) -> None:
+        if not replica.left_rotation:
+            replica.left_rotation = True
+            self.membership.remove(replica.pool, replica.url, lost=lost)
+
     def _crashed(self, replica: Replica, why: str, now: float) -> None:
         """Kill what is left, leave the rotation, restart after a backoff."""
         url, proc = replica.url, replica.proc
@@ -332,6 +443,8 @@ class LocalSupervisor:
         if proc is not None:
             self.membership.remove(replica.pool, url, lost=True)
         replica.proc = None
+        replica.left_rotation = replica.terminated = False
+        replica.num_idle_polls = 0
         replica.load = None
         replica.state = "starting"
         replica.ready_since_s = None
@@ -398,7 +511,7 @@ class LocalSupervisor:
             self._spawn(self._reap(proc, replica.replica_id))
         else:
             self._give_back(replica.replica_id)
-        self.membership.remove(replica.pool, replica.url, lost=False)
+        self._leave_rotation(replica, lost=False)
 
     def _give_back(self, replica_id: str) -> None:
         if self.inventory is not None:
@@ -419,7 +532,7 @@ class LocalSupervisor:
     async def _send_drain(self, replica: Replica) -> None:
         key = self.pools[replica.pool].control_key
         try:
-            status = await self.client.drain(replica.url, exit_when_empty=True, control_key=key)
+            status = await self.probe(replica.pool).drain(replica.url, key)
         except Exception as exc:  # unreachable: it is gone or going; stop it outright
             status = repr(exc)
         if status != 200:
