@@ -4,17 +4,33 @@ Every field has a default here; `configs/serve.yaml` is the documented copy. Rel
 paths in a config file resolve against that file's directory, not the current one.
 """
 
+import shlex
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from cli.config_files import fill, read_yaml
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, UpstreamConfig
 from workers.engine.config import EngineConfig
 from workers.fleet.autoscaler import AutoscalerConfig
 from workers.fleet.devices import DeviceKind, Placement
 
 DEMO_MODELS = ("demo-small", "demo-large")  # `switchyard models make-demo` checkpoints
+# What a pool's replicas are: Switchyard workers, or llama.cpp's llama-server processes.
+# (Other upstream kinds are servers serve does not start: `switchyard gateway` fronts them.)
+POOL_KINDS = ("switchyard", "llamacpp")
+
+
+@dataclass
+class LlamaServerSection:
+    """The llama-server a `kind: llamacpp` pool runs when it gives no `command`: the cached
+    build (built at first start when missing) on the pool's `model`'s own GGUF."""
+
+    gguf: str | None = None  # a local GGUF file instead; null: `model`'s, from its wheel
+    slots: int = 4  # -np: sequences one replica runs at once (the gateway reads /props)
+    ctx_per_slot: int = 2048  # the context (-c) is slots x this, in tokens
+    threads: int | None = None  # null: the replica's own cores (else the CPUs shared out)
+    extra_args: list[str] = field(default_factory=list)  # appended to the command line
 
 
 @dataclass
@@ -44,6 +60,27 @@ class PoolSection:
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
     worker: dict[str, Any] = field(default_factory=dict)  # WorkerConfig fields
     autoscaler: dict[str, Any] = field(default_factory=dict)  # AutoscalerConfig fields
+    # `switchyard`: the pool's replicas are Switchyard workers (everything above applies).
+    # `llamacpp`: llama.cpp's llama-server processes, supervised like workers (restarted
+    # with backoff; drained by leaving the gateway's rotation, then SIGTERM once /slots
+    # shows nothing processing) and fixed-size: the autoscaler does not resize them, so
+    # give `replicas`, not a min..max range. engine, worker, autoscaler, model_dir,
+    # tensor_parallel and itl_target_s are for workers only.
+    kind: str = "switchyard"
+    replicas: int | None = None  # min_replicas = max_replicas = this (a llamacpp pool: 1)
+    # llamacpp: the llama-server command line (a list, or one string split as a shell
+    # would), without --host/--port: serve adds them per replica. null: `llama_server`.
+    command: list[str] | str | None = None
+    llama_server: LlamaServerSection = field(default_factory=LlamaServerSection)
+    # llamacpp: the gateway's UpstreamConfig fields but kind (max_concurrency, ...).
+    upstream: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def argv(self) -> list[str] | None:
+        """`command` as a list (None: the default llama-server)."""
+        if self.command is None:
+            return None
+        return shlex.split(self.command) if isinstance(self.command, str) else list(self.command)
 
 
 @dataclass
@@ -127,18 +164,49 @@ def load_serve_config(path: str | Path | None) -> ServeConfig:
     if pools_raw is not None:
         if not isinstance(pools_raw, dict) or not pools_raw:
             raise SystemExit(f"{where}: pools must map pool names to settings")
-        cfg.pools = {
-            name: fill(PoolSection, body or {}, f"{where}: pools.{name}")
-            for name, body in pools_raw.items()
-        }
+        cfg.pools = {}
+        for name, body in pools_raw.items():
+            at = f"{where}: pools.{name}"
+            cfg.pools[name] = fill(PoolSection, body or {}, at)
+            fix_size(cfg.pools[name], set(body or {}), at)
     check(cfg, where)
     return cfg
+
+
+def fix_size(pool: PoolSection, keys: set[str], at: str) -> None:
+    """`replicas` into min_replicas = max_replicas; a llamacpp pool is fixed-size."""
+    ranged = sorted(keys & {"min_replicas", "max_replicas"})
+    if pool.replicas is not None:
+        if not isinstance(pool.replicas, int) or pool.replicas < 1:
+            raise SystemExit(f"{at}.replicas must be a whole number >= 1")
+        if ranged:
+            raise SystemExit(f"{at}: give replicas or {' and '.join(ranged)}, not both")
+        pool.min_replicas = pool.max_replicas = pool.replicas
+    elif pool.kind == "llamacpp":
+        if ranged and pool.min_replicas != pool.max_replicas:
+            raise SystemExit(
+                f"{at}: a llamacpp pool is fixed-size (the autoscaler does not resize "
+                f"llama-server pools): set replicas: N, not min_replicas..max_replicas "
+                f"({pool.min_replicas}..{pool.max_replicas})"
+            )
+        if not ranged:
+            pool.min_replicas = pool.max_replicas = 1
 
 
 def check(cfg: ServeConfig, where: str) -> None:
     """Fail at start-up, naming the key, rather than in a worker process later."""
     for name, pool in cfg.pools.items():
         at = f"{where}: pools.{name}"
+        if pool.kind not in POOL_KINDS:
+            raise SystemExit(
+                f"{at}.kind must be one of {list(POOL_KINDS)}, not {pool.kind!r} (servers of "
+                "other kinds are not started by serve: run `switchyard gateway` in front of them)"
+            )
+        if pool.kind == "llamacpp":
+            check_llamacpp(pool, at)
+            continue
+        if pool.command is not None or pool.upstream:
+            raise SystemExit(f"{at}: command and upstream are for kind: llamacpp pools")
         if not isinstance(pool.tensor_parallel, int) or pool.tensor_parallel < 1:
             raise SystemExit(f"{at}.tensor_parallel must be a whole number >= 1")
         if pool.cores_per_rank is not None and (
@@ -162,7 +230,7 @@ def check(cfg: ServeConfig, where: str) -> None:
         except ValueError as exc:
             raise SystemExit(f"{at}: {exc}") from None
     reserved = {"pools", "tokenizers", "cascade_small_pool", "cascade_large_pool", "redis_url"}
-    reserved |= {"data_dir", "admin_key", "default_pool", "classifier_path"}
+    reserved |= {"data_dir", "admin_key", "default_pool", "classifier_path", "upstreams"}
     bad = sorted(set(cfg.gateway.options) & reserved)
     if bad:
         raise SystemExit(f"{where}: gateway.options may not set {bad} (serve sets them)")
@@ -182,6 +250,50 @@ def check(cfg: ServeConfig, where: str) -> None:
                 raise SystemExit(f"{where}: cascade pool {pool!r} is not among {sorted(cfg.pools)}")
         if c.target_fraction is not None and not 0.0 <= c.target_fraction <= 1.0:
             raise SystemExit(f"{where}: cascade.target_fraction must be in [0, 1]")
+
+
+def check_llamacpp(pool: PoolSection, at: str) -> None:
+    worker_only = {
+        "engine": bool(pool.engine),
+        "worker": bool(pool.worker),
+        "autoscaler": bool(pool.autoscaler),
+        "model_dir": pool.model_dir is not None,
+        "tensor_parallel": pool.tensor_parallel != 1,
+        "itl_target_s": pool.itl_target_s is not None,
+    }
+    bad = [key for key, given in worker_only.items() if given]
+    if bad:
+        raise SystemExit(f"{at}: {bad} are for Switchyard workers, not a llamacpp pool")
+    if pool.min_replicas != pool.max_replicas or pool.min_replicas < 1:
+        raise SystemExit(f"{at}: a llamacpp pool is fixed-size: set replicas: N (N >= 1)")
+    argv = pool.argv
+    if argv is not None:
+        if not argv or not all(isinstance(a, str) for a in argv):
+            raise SystemExit(f"{at}.command must be a command line (a string or strings)")
+        taken = sorted({"--host", "--port"} & {a.split("=", 1)[0] for a in argv})
+        if taken:
+            raise SystemExit(f"{at}.command may not set {taken}: serve gives each replica its port")
+        if pool.llama_server != LlamaServerSection():
+            raise SystemExit(f"{at}: llama_server settings apply only without a command")
+    ls = pool.llama_server
+    for key in ("slots", "ctx_per_slot"):
+        value = getattr(ls, key)
+        if not isinstance(value, int) or value < 1:
+            raise SystemExit(f"{at}.llama_server.{key} must be a whole number >= 1")
+    if ls.threads is not None and (not isinstance(ls.threads, int) or ls.threads < 1):
+        raise SystemExit(f"{at}.llama_server.threads must be a whole number >= 1, or null")
+    if argv is None and ls.gguf is None and pool.model in DEMO_MODELS:
+        raise SystemExit(f"{at}.model: {pool.model} has no GGUF; name a known model or a gguf")
+    if "kind" in pool.upstream:
+        raise SystemExit(f"{at}.upstream may not set kind (it is the pool's kind)")
+    fill(UpstreamConfig, pool.upstream, f"{at}.upstream")
+
+
+def upstream_config(pool: PoolSection) -> UpstreamConfig | None:
+    """The gateway's upstream settings of a llamacpp pool (None: Switchyard workers)."""
+    if pool.kind != "llamacpp":
+        return None
+    return fill(UpstreamConfig, {**pool.upstream, "kind": "llamacpp"}, "upstream")
 
 
 def device_kind(pool: PoolSection) -> DeviceKind:

@@ -31,8 +31,10 @@ from cli.serve.config import (
     autoscaler_config,
     device_kind,
     placements,
+    upstream_config,
 )
 from cli.serve.fleet import FleetLoop, PoolMembership
+from cli.serve.llamacpp import llama_server_files, llamacpp_argv, llamacpp_launch
 from gateway.app import create_gateway_app
 from gateway.config import GatewayConfig
 from gateway.gateway import Gateway
@@ -79,11 +81,14 @@ def check_port_free(host: str, port: int, option: str) -> None:
 
 
 def ensure_models(cfg: ServeConfig, data_dir: Path) -> dict[str, Path]:
-    """Each pool's checkpoint directory; fetches or makes what is missing (progress bars)."""
+    """Each worker pool's checkpoint directory; fetches or makes what is missing (progress
+    bars). llamacpp pools have none (`ensure_llama_servers`)."""
     from workers.errors import ModelFetchError
 
     dirs: dict[str, Path] = {}
     for name, pool in cfg.pools.items():
+        if pool.kind == "llamacpp":
+            continue
         if pool.model_dir:
             path = cfg.path(pool.model_dir)
             if not (path / "config.json").is_file():
@@ -120,6 +125,51 @@ def ensure_models(cfg: ServeConfig, data_dir: Path) -> dict[str, Path]:
     return dirs
 
 
+def ensure_llama_servers(cfg: ServeConfig) -> dict[str, tuple[Path, Path] | None]:
+    """Per llamacpp pool, the (binary, GGUF) its default command runs, built or extracted
+    now when missing (None: the pool gives its own command)."""
+    from benchmarks.peers.llama_server import BUILD_COMMAND, LlamaServerError
+    from workers.errors import ModelFetchError
+
+    files: dict[str, tuple[Path, Path] | None] = {}
+    for name, pool in cfg.pools.items():
+        if pool.kind != "llamacpp":
+            continue
+        if pool.argv is not None:
+            files[name] = None
+            continue
+        try:
+            files[name] = llama_server_files(cfg, pool, cache_dir(None) / "wheels", console.note)
+        except LlamaServerError as exc:
+            raise StartupError(
+                f"pools.{name}: llama-server could not be built ({exc}); build it with "
+                f"`{BUILD_COMMAND}` (scripts/setup.sh runs it), or give the pool a command"
+            ) from None
+        except (ModelFetchError, FileNotFoundError) as exc:
+            raise StartupError(f"pools.{name}: {exc}") from None
+    return files
+
+
+def llama_server_launches(
+    cfg: ServeConfig,
+    files: dict[str, tuple[Path, Path] | None],
+    client: WorkerClient,
+    placed: dict[str, Placement] | None = None,
+) -> dict[str, PoolLaunch]:
+    """How each llamacpp pool's replicas start, and how the supervisor watches them."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    warm = max(sum(p.min_replicas * p.tensor_parallel for p in cfg.pools.values()), 1)
+    launches = {}
+    for name, pool in cfg.pools.items():
+        if pool.kind != "llamacpp":
+            continue
+        placement = placed.get(name) if placed is not None else None
+        threads = placement.count if placement is not None else max((cpus or 1) // warm, 1)
+        argv = llamacpp_argv(name, pool, files.get(name), threads)
+        launches[name] = llamacpp_launch(argv, client, placement)
+    return launches
+
+
 def worker_launches(
     cfg: ServeConfig,
     model_dirs: dict[str, Path],
@@ -135,6 +185,8 @@ def worker_launches(
     warm = max(sum(p.min_replicas * p.tensor_parallel for p in cfg.pools.values()), 1)
     launches = {}
     for name, pool in cfg.pools.items():
+        if pool.kind != "switchyard":
+            continue
         engine = dict(pool.engine)
         if pool.itl_target_s is not None:
             engine["scheduler"] = {**engine.get("scheduler", {}), "itl_target_s": pool.itl_target_s}
@@ -187,6 +239,15 @@ def gateway_config(
     targets = {n: p.ttft_target_s for n, p in cfg.pools.items() if p.ttft_target_s is not None}
     gc.ttft_target_s = {**targets, **gc.ttft_target_s}  # gateway.options' own win
     gc.tokenizers = {name: str(path) for name, path in model_dirs.items()}
+    for name, pool in cfg.pools.items():
+        upstream = upstream_config(pool)
+        if upstream is None:
+            continue
+        gc.upstreams[name] = upstream
+        # The same model on Switchyard workers elsewhere: its tokenizer counts for this one.
+        same = [n for n, p in cfg.pools.items() if n in model_dirs and p.model == pool.model]
+        if pool.argv is None and pool.llama_server.gguf is None and same:
+            gc.tokenizers[name] = str(model_dirs[same[0]])
     gc.redis_url = cfg.redis_url
     gc.data_dir = str(data_dir)
     gc.admin_key = admin_key
@@ -248,7 +309,13 @@ class Stack:
             if self.server is not None:
                 self.server.force_exit = True
 
-    async def run(self, model_dirs: dict[str, Path], redis_url: str, admin_key: str) -> int:
+    async def run(
+        self,
+        model_dirs: dict[str, Path],
+        redis_url: str,
+        admin_key: str,
+        llama_files: dict[str, tuple[Path, Path] | None] | None = None,
+    ) -> int:
         cfg = self.cfg
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -268,8 +335,10 @@ class Stack:
                 log.info(
                     "pool %s: each replica on %d %s device(s) of its own", name, p.count, p.kind
                 )
+        launches = worker_launches(cfg, model_dirs, self.data_dir / "run", self.opts, placed)
+        launches |= llama_server_launches(cfg, llama_files or {}, probe, placed)
         supervisor = LocalSupervisor(
-            worker_launches(cfg, model_dirs, self.data_dir / "run", self.opts, placed),
+            {name: launches[name] for name in cfg.pools},
             probe,
             PoolMembership(gw.pools, self.data_dir / "prometheus" / "workers.json"),
             SupervisorConfig(
@@ -397,6 +466,7 @@ def run_serve(cfg: ServeConfig, opts: RunOptions) -> int:
     check_port_free(cfg.gateway.host, cfg.gateway.port, where)
     data_dir.mkdir(parents=True, exist_ok=True)
     model_dirs = ensure_models(cfg, data_dir)
+    llama_files = ensure_llama_servers(cfg)
     key = cfg.gateway.admin_key or os.environ.get("SWITCHYARD_ADMIN_KEY")
     key_file = None
     if not key:
@@ -412,7 +482,7 @@ def run_serve(cfg: ServeConfig, opts: RunOptions) -> int:
             embedded = EmbeddedRedis(data_dir / "redis")
             redis_url = embedded.url
         stack = Stack(cfg, opts)
-        return asyncio.run(stack.run(model_dirs, redis_url, key))
+        return asyncio.run(stack.run(model_dirs, redis_url, key, llama_files))
     finally:
         if embedded is not None:
             console.note("stopping Redis")
