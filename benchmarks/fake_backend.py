@@ -5,9 +5,14 @@ It stands in for a worker where the worker is not what is measured: it answers
 one-character tokens, reports `/load` and `/health`, and can be told to misbehave through
 `POST /_control` with `{"mode": ..., "token_delay_s": ...}`; modes are "ok", "refuse"
 (503 with Retry-After), "bad_request" (400: the request's own fault), "hang" (accepts the
-connection and never answers), "die_mid_stream" and "slow_first". Its load reports, usage
-and errors are the wire contract's types (`workers.api.types`), as a worker's are.
-`GET /_stats` tells how many requests are active and what bodies it received.
+connection and never answers), "die_mid_stream", "slow_first" and "busy_first_event" (a
+stream accepted with 200 whose first event is a 503 error, as vLLM may send). Its load
+reports, usage and errors are the wire contract's types (`workers.api.types`), as a
+worker's are. `GET /_stats` tells how many requests are active and what bodies it received.
+
+`flavour="vllm"` makes it stand in for a vLLM server instead of a worker: no `/load`, its
+load on `/metrics` under vLLM's names and its context length on `/v1/models`. `api_key`
+makes every request without `Authorization: Bearer <api_key>` a 401, as a hosted API.
 
 Run alone: `python -m benchmarks.fake_backend --port 8101`.
 """
@@ -27,7 +32,17 @@ VOCAB_SIZE = 32000  # what its /load reports; token ids in prompts are checked a
 
 
 class FakeBackend:
-    def __init__(self, token_delay_s: float = 0.0, mode: str = "ok", name: str = "fake") -> None:
+    def __init__(
+        self,
+        token_delay_s: float = 0.0,
+        mode: str = "ok",
+        name: str = "fake",
+        flavour: str = "switchyard",
+        api_key: str | None = None,
+    ) -> None:
+        self.flavour = flavour
+        self.api_key = api_key
+        self.unauthorized = 0  # requests refused for a missing or wrong key
         self.token_delay_s = token_delay_s
         self.mode = mode
         self.logprob = -0.05  # of every token, when logprobs are asked for
@@ -61,10 +76,23 @@ class FakeBackend:
             body += msg.get("body", b"")
             if not msg.get("more_body"):
                 break
+        if self.api_key is not None and not path.startswith("/_"):
+            sent = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if sent != f"Bearer {self.api_key}".encode():
+                self.unauthorized += 1
+                bad = ErrorBody(
+                    ErrorInfo("invalid api key", "invalid_request_error", None, "invalid_api_key")
+                )
+                return await _json(send, 401, msgspec.to_builtins(bad))
         if path == "/health":
             return await _json(send, 200, {"status": "ok"})
-        if path == "/load":
+        if path == "/load" and self.flavour == "switchyard":
             return await _json(send, 200, self._load())
+        if path == "/metrics" and self.flavour == "vllm":
+            return await _text(send, self._vllm_metrics())
+        if path == "/v1/models" and self.flavour == "vllm":
+            model = {"id": self.name, "object": "model", "owned_by": "vllm", "max_model_len": 4096}
+            return await _json(send, 200, {"object": "list", "data": [model]})
         if path == "/_stats":
             return await _json(
                 send,
@@ -122,6 +150,19 @@ class FakeBackend:
         )
         return msgspec.structs.asdict(report)
 
+    def _vllm_metrics(self) -> bytes:
+        """Its load as vLLM's /metrics exposition names it (vllm/v1/metrics/loggers.py)."""
+        label = f'{{engine="0",model_name="{self.name}"}}'
+        lines = [
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{label} {float(self.active)}",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{label} 0.0",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{label} {min(1.0, self.active / 64):.4f}",
+        ]
+        return ("\n".join(lines) + "\n").encode()
+
     def _logprobs(self, chat: bool, n: int) -> dict[str, Any]:
         """Every token at log-probability `self.logprob` (set it low for an unsure model)."""
         if chat:
@@ -142,6 +183,17 @@ class FakeBackend:
         if self.mode == "bad_request":
             bad = ErrorBody(ErrorInfo("bad top_k", "invalid_request_error", "top_k", None))
             return await _json(send, 400, msgspec.to_builtins(bad))
+        if self.mode == "busy_first_event" and req.get("stream"):
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")],
+                }
+            )
+            busy = {"error": {"message": "overloaded", "type": "server_error", "code": 503}}
+            event = b"data: " + json.dumps(busy).encode() + b"\n\ndata: [DONE]\n\n"
+            return await send({"type": "http.response.body", "body": event, "more_body": False})
         if self.mode == "hang":
             self.active += 1
             try:
@@ -262,6 +314,15 @@ class FakeBackend:
 async def _wait_disconnect(receive) -> None:  # noqa: ANN001
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def _text(send, body: bytes) -> None:  # noqa: ANN001
+    headers = [
+        (b"content-type", b"text/plain; version=0.0.4"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _json(send, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:  # noqa: ANN001

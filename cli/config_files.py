@@ -29,7 +29,22 @@ def fill(cls: type, values: dict[str, Any] | None, where: str) -> Any:
         sub = _dataclass_in(hints[name])
         if sub is not None and isinstance(values[name], dict):
             values[name] = fill(sub, values[name], f"{where}.{name}")
+            continue
+        item = _dataclass_values_of(hints[name])
+        if item is not None and isinstance(values[name], dict):
+            values[name] = {
+                key: fill(item, body, f"{where}.{name}.{key}") if isinstance(body, dict) else body
+                for key, body in values[name].items()
+            }
     return cls(**values)
+
+
+def _dataclass_values_of(hint: Any) -> type | None:
+    """The dataclass X of a hint `dict[str, X]`."""
+    args = get_args(hint)
+    if getattr(hint, "__origin__", None) is dict and len(args) == 2:
+        return _dataclass_in(args[1])
+    return None
 
 
 def _dataclass_in(hint: Any) -> type | None:

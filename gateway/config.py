@@ -161,3 +161,27 @@ class GatewayConfig:
     # a byte on any of its connections): a worker busy building a large answer is slow,
     # not lost. Silent this long, it is lost: the request moves to another replica.
     worker_lost_after_s: float = 5.0
+
+
+def split_pool_entries(section: dict) -> dict:
+    """A gateway section from YAML whose `pools` may give, per pool, either its member
+    URLs (a list) or a mapping with `urls` and the pool's upstream settings (`kind`,
+    `api_key_env`, ...): the section with the lists in `pools` and the settings in
+    `upstreams`, as `GatewayConfig` takes them."""
+    pools = section.get("pools")
+    if not isinstance(pools, dict):
+        return section
+    out = dict(section)
+    out["pools"], upstreams = {}, dict(section.get("upstreams") or {})
+    for name, entry in pools.items():
+        if isinstance(entry, dict):
+            entry = dict(entry)
+            urls = entry.pop("urls", [])
+            if name in upstreams:
+                raise ValueError(f"pool {name!r}: its settings are both in pools and upstreams")
+            upstreams[name] = entry
+            entry = urls
+        out["pools"][name] = entry
+    if upstreams:
+        out["upstreams"] = upstreams
+    return out

@@ -20,6 +20,7 @@ from gateway.learning.router import Router
 from gateway.metrics import GatewayMetrics
 from gateway.serving.counting import CountingPool
 from gateway.serving.flight import Flight
+from gateway.serving.plan import Plan, PublicRequest, upstream_body
 from gateway.serving.prompt_tokens import PromptCounter
 from gateway.serving.record import Outcome
 from quota.limiter import QuotaLimiter, Reservation
@@ -86,6 +87,26 @@ class Gateway:
     def cache_salt(self, tenant_id: str) -> str:
         """Prefix-cache namespace per tenant: one tenant's cached prompts never serve another."""
         return hashlib.blake2b(tenant_id.encode(), digest_size=8).hexdigest()
+
+    def body_for(
+        self,
+        req: PublicRequest,
+        plan: Plan,
+        pool: str | None = None,
+        with_logprobs: bool = False,
+    ) -> bytes:
+        """The body sent to `pool` (default: the plan's) for `req`: shaped for the pool's
+        kind of server and named as it serves the model (`plan.upstream_body`)."""
+        target = self.pools[pool or plan.pool]
+        return upstream_body(
+            req,
+            plan,
+            self.cache_salt(plan.tenant_id),
+            pool=target.name,
+            with_logprobs=with_logprobs,
+            kind=target.kind,
+            model=target.upstream_model,
+        )
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> "asyncio.Task[Any]":
         """Run `coro` outside the caller's (possibly cancelled) task; awaited at shutdown."""

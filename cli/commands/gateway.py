@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     from cli.config_files import fill, read_yaml
     from cli.serve.stack import StartupError, check_port_free
-    from gateway.config import GatewayConfig
+    from gateway.config import GatewayConfig, split_pool_entries
     from gateway.runtime.main import serve_gateway, serve_member
 
     if args.member:  # one process of a `--workers N` group: its parent sends the spec
@@ -38,7 +38,11 @@ def run(args: argparse.Namespace) -> int:
 
         return serve_member(pickle.load(sys.stdin.buffer))
     raw = read_yaml(args.config)
-    config = fill(GatewayConfig, raw.get("gateway", raw), str(args.config))
+    try:
+        section = split_pool_entries(raw.get("gateway", raw))
+    except ValueError as exc:
+        raise SystemExit(f"{args.config}: {exc}") from None
+    config = fill(GatewayConfig, section, str(args.config))
     config.admin_key = config.admin_key or os.environ.get("SWITCHYARD_ADMIN_KEY")
     if args.workers is not None:
         config.processes = args.workers

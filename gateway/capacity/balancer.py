@@ -45,6 +45,7 @@ class WorkerView:
     step_s: float | None = None  # its recent mean step time, measured
     ready_at: float | None = None  # when it was first seen ready (the pool's clock)
     seen_loading: bool = False  # it reported `loading` (it was seen starting)
+    kind: str = "switchyard"  # the kind of server (workers.api.upstreams); auto: not yet known
 
     @property
     def room(self) -> int:

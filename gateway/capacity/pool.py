@@ -19,6 +19,7 @@ from gateway.capacity.admission import (
 from gateway.capacity.balancer import WorkerView, choose_worker, has_room, is_live
 from gateway.capacity.flaps import FlapGuard, FlapPolicy
 from gateway.capacity.goodput import Goodput
+from gateway.capacity.measured import MeasuredService
 from gateway.capacity.predictor import (
     NEVER,
     Prediction,
@@ -28,6 +29,8 @@ from gateway.capacity.predictor import (
     retry_after_s,
 )
 from workers.api.client import WorkerClient
+from workers.api.upstreams.base import UpstreamLoad
+from workers.api.upstreams.registry import adapter_for, detect
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +56,25 @@ class Pool:
         start_estimate_s: float = 30.0,
         priority_ttft_scale: dict[int, float] | None = None,
         flap_policy: FlapPolicy | None = None,
+        kind: str = "switchyard",
+        upstream_model: str | None = None,
+        max_concurrency: int | None = None,
+        context_length: int | None = None,
+        upstream_headers: dict[str, str] | None = None,
     ) -> None:
         self.name = name
+        # Sent with every request to a member (the upstream's API key); never logged.
+        self._upstream_headers = upstream_headers or {}
+        # The kind of server its members are (workers.api.upstreams); "auto": each member's
+        # is detected on its first poll, and the pool takes the first one found.
+        self.kind = kind
+        self.upstream_model = upstream_model  # the model name its servers serve; None: ours
+        # A foreign member's concurrency when configured (else what it says, else the cap)
+        # and context length when it does not say.
+        self.max_concurrency = max_concurrency
+        self.context_length = context_length
+        # Foreign members' capacity, measured from the answers relayed (measured.py).
+        self.measured: dict[str, MeasuredService] = {}
         # A member back from a stall rejoins the rotation only after a hold (flaps.py).
         self.flaps = FlapGuard(flap_policy or FlapPolicy())
         # Admission against the target (`admit`); None: counts and deadlines only.
@@ -99,6 +119,8 @@ class Pool:
         """A replica joins (a supervisor started it): `loading` until its /load says ready."""
         url = url.rstrip("/")
         if url not in self.views:
+            if self._upstream_headers:
+                self.client.set_headers(url, self._upstream_headers)
             self.views[url] = WorkerView(
                 url=url,
                 state="loading",
@@ -109,6 +131,7 @@ class Pool:
                 inflight=0,
                 max_inflight=self.max_inflight_per_worker,
                 joined_at=self.clock(),
+                kind=self.kind,
             )
 
     def remove_member(self, url: str, lost: bool = False) -> None:
@@ -119,8 +142,11 @@ class Pool:
             self.mark_unreachable(url)
         if self.views.pop(url, None) is not None:
             log.info("pool %s: worker %s left", self.name, url)
+            if self._upstream_headers:
+                self.client.set_headers(url, {})
         self._reported.pop(url, None)
         self._lost.pop(url, None)
+        self.measured.pop(url, None)
         self.flaps.forget(url)
 
     def record_arrival(self) -> None:
@@ -384,9 +410,13 @@ class Pool:
         self.controller.kick()
 
     async def _refresh_one(self, view: WorkerView) -> None:
+        if view.kind != "switchyard":
+            await self._probe_foreign(view)
+            return
         report = await self.client.load(view.url)
         if report is None:
-            # An OpenAI-compatible server without /load (vLLM, TGI): alive = ready.
+            # A switchyard member that does not answer /load: a server that is not ours
+            # (configure its kind), or ours not up yet. Alive on /health = ready.
             alive = await self.client.alive(view.url)
             view.answered = view.answered or alive
             self._set_state(view, "ready" if alive else "unreachable")
@@ -414,6 +444,91 @@ class Pool:
             if view.seen_loading:  # seen starting: how long a start takes
                 self._start_times.append(view.ready_at - view.joined_at)
         self._set_state(view, report.state)
+
+    async def _probe_foreign(self, view: WorkerView) -> None:
+        """Poll a member of another kind through its adapter (detecting the kind first
+        when the pool's is `auto`)."""
+
+        async def get(url: str, timeout_s: float) -> tuple[int | None, bytes]:
+            return await self.client.get(url, timeout_s, heard=view.url)
+
+        if view.kind == "auto":
+            try:
+                kind, why = await detect(get, view.url, 1.0)
+            except ValueError as exc:
+                self._set_state(view, "unreachable")
+                log.debug("pool %s: kind of %s not known yet: %s", self.name, view.url, exc)
+                return
+            if self.kind == "auto":
+                self.kind = kind
+            if kind != self.kind:
+                log.error(
+                    "pool %s: %s is a %s server, the pool's others are %s: kept out of it",
+                    self.name,
+                    view.url,
+                    kind,
+                    self.kind,
+                )
+                self._set_state(view, "unreachable")
+                return
+            view.kind = kind
+            log.info("pool %s: %s is a %s server (%s)", self.name, view.url, kind, why)
+            if kind == "switchyard":
+                await self._refresh_one(view)
+                return
+        load = await adapter_for(view.kind).probe(get, view.url, 1.0)
+        self._apply_foreign(view, load)
+
+    def _apply_foreign(self, view: WorkerView, load: UpstreamLoad) -> None:
+        """What a foreign member's probe told, with the gateway's own measurements."""
+        if load.state != "unreachable":
+            view.answered = True
+        # Unknown figures stay out of the balance: our own in-flight count ranks it.
+        view.num_running = load.num_running or 0
+        view.num_waiting = load.num_waiting or 0
+        view.kv_free_tokens = view.kv_total_tokens = 0
+        view.max_model_len = self.context_length or load.max_model_len
+        # Seats: what it runs at once (configured, else its slots, else our cap): beyond
+        # them a request would wait in its queue, where no latency target holds.
+        concurrency = self.max_concurrency or load.slots or self.max_inflight_per_worker
+        view.seats = _share(concurrency, self.seat_share)
+        measured = self.measured.get(view.url)
+        if measured is not None:
+            view.decode_step_s = measured.decode_step_s
+            view.prefill_tokens_per_s = measured.prefill_tokens_per_s
+        if load.state == "loading":
+            view.seen_loading = True
+            if load.reason:
+                log.debug("pool %s: %s is loading: %s", self.name, view.url, load.reason)
+        elif load.state == "ready" and view.ready_at is None:
+            view.ready_at = self.clock()
+            if view.seen_loading:
+                self._start_times.append(view.ready_at - view.joined_at)
+        self._set_state(view, load.state)
+
+    def record_service(
+        self,
+        url: str,
+        prompt_tokens: int,
+        output_tokens: int,
+        *,
+        first_token_s: float | None = None,
+        decode_s: float = 0.0,
+        total_s: float | None = None,
+    ) -> None:
+        """An answer a foreign member gave, for its measured capacity (`measured.py`): a
+        stream's seconds from sending to its first token and from its first to its last,
+        or a whole answer's `total_s`. Switchyard members report their own: ignored."""
+        view = self.views.get(url)
+        if view is None or view.kind in ("switchyard", "auto"):
+            return
+        measured = self.measured.setdefault(url, MeasuredService())
+        if first_token_s is not None:
+            measured.stream(prompt_tokens, first_token_s, output_tokens, decode_s)
+        elif total_s is not None:
+            measured.whole(prompt_tokens, total_s, output_tokens)
+        view.decode_step_s = measured.decode_step_s
+        view.prefill_tokens_per_s = measured.prefill_tokens_per_s
 
     def model_limits(self) -> tuple[int | None, int | None]:
         """(vocabulary size, context length) every reporting member accepts: the smallest

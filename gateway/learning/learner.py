@@ -38,8 +38,9 @@ from gateway.capacity.lease import Lease, NoReplica
 from gateway.learning.label_store import LabelStore, RequestRecord
 from gateway.learning.shadow_budget import ShadowBudget
 from gateway.serving.dispatch import send_attempt
-from gateway.serving.plan import GatewayChatRequest, Plan, PublicRequest, upstream_body
+from gateway.serving.plan import GatewayChatRequest, Plan, PublicRequest
 from workers.api.client import UpstreamError, UpstreamResponse
+from workers.api.upstreams.fields import fields_of
 
 if TYPE_CHECKING:  # the gateway holds its learner
     from gateway.gateway import Gateway
@@ -266,10 +267,9 @@ class Learner:
                 self.metrics.shadow.labels("busy").inc()
                 return
             want_logprobs = other == router.small_pool
-            body = msgspec.json.decode(
-                upstream_body(req, plan, gw.cache_salt(plan.tenant_id), other, want_logprobs)
-            )
-            body["priority"] = SHADOW_PRIORITY
+            body = msgspec.json.decode(gw.body_for(req, plan, other, want_logprobs))
+            if fields_of(gw.pools[other].kind).priority:
+                body["priority"] = SHADOW_PRIORITY
             path = "/v1/chat/completions" if plan.chat else "/v1/completions"
             try:
                 upstream = await send_attempt(

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from cascade.classifier import DifficultyScorer
 from cascade.policy import (
+    InvalidRouting,
     RoutingSettings,
     effective_threshold,
     route,
@@ -89,6 +90,7 @@ class Router:
         metrics: RoutingMetrics,
         poll_s: float = 0.5,
         classifiers: Any = None,
+        no_logprobs: str | None = None,
     ) -> None:
         """`classifiers`: a `gateway.learning.classifiers.ClassifierRegistry` of per-tenant scorers
         (None: every tenant is scored by `scorer`)."""
@@ -101,6 +103,9 @@ class Router:
         self.poll_s = poll_s
         self.settings = RoutingSettings()
         self.classifiers = classifiers
+        # Why the small pool's answers carry no logprobs (its kind of server gives none),
+        # so confidence escalation cannot work and settings enabling it are refused.
+        self.no_logprobs = no_logprobs
         self._checked_at = 0.0
 
     def scorer_for(self, tenant_id: str) -> tuple[DifficultyScorer, Sequence[float]]:
@@ -136,6 +141,12 @@ class Router:
         """Validate and store new settings (version + 1) with an audit entry."""
         current = await self.refresh(force=True)
         new = settings_from_dict({**raw, "version": current.version + 1}, known_tenants)
+        enabling = sorted(t for t, e in new.escalation.items() if e.enabled)
+        if enabling and self.no_logprobs is not None:
+            raise InvalidRouting(
+                f"escalation needs the small pool's token logprobs, and {self.no_logprobs}",
+                f"escalation.{enabling[0]}.enabled",
+            )
         doc = settings_to_dict(new)
         entry = {"who": who, "when": time.time(), "old": settings_to_dict(current), "new": doc}
         async with self.redis.pipeline(transaction=True) as pipe:

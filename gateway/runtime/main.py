@@ -17,7 +17,7 @@ from gateway.capacity.admission import QueueConfig
 from gateway.capacity.door import Gate
 from gateway.capacity.flaps import FlapPolicy
 from gateway.capacity.pool import Pool
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, UpstreamConfig
 from gateway.gateway import Gateway
 from gateway.learning.classifiers import ClassifierRegistry
 from gateway.learning.label_store import LabelStore
@@ -30,6 +30,7 @@ from gateway.runtime.group import MemberSpec, serve_processes
 from gateway.runtime.group_metrics import ProcessMetrics
 from gateway.runtime.http_server import GatewayServer, reuse_port_socket, server_config
 from gateway.serving.prompt_tokens import PromptCounter, load_tokenizer
+from gateway.upstream_keys import check_upstreams, upstream_headers
 from quota.connection import make_redis
 from quota.journal import ReconcileJournal, journal_path
 from quota.limiter import FailurePolicy, QuotaLimiter
@@ -38,6 +39,7 @@ from quota.store import TenantStore
 from quota.sweeper import QuotaMaintenance, new_owner_id
 from quota.usage import UsageConfig, UsageReader
 from workers.api.client import WorkerClient
+from workers.api.upstreams.registry import adapter_for
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +70,11 @@ def build_gateway(
         retry_after_s=config.retry_after_s,
         retry_after_jitter_s=config.retry_after_jitter_s,
     )
-    pools = {
-        name: Pool(
+    check_upstreams(config)
+    pools = {}
+    for name, urls in config.pools.items():
+        up = config.upstreams.get(name) or UpstreamConfig()
+        pools[name] = Pool(
             name,
             urls,
             workers,
@@ -83,9 +88,16 @@ def build_gateway(
             flap_policy=FlapPolicy(
                 config.stall_hold_s, config.stall_hold_max_s, config.flap_reset_s
             ),
+            kind=up.kind,
+            upstream_model=up.model,
+            max_concurrency=up.max_concurrency,
+            context_length=up.context_length,
+            upstream_headers=upstream_headers(name, up),
         )
-        for name, urls in config.pools.items()
-    }
+        if up.kind != "switchyard":
+            log.info(
+                "pool %s: %s servers%s", name, up.kind, f", model {up.model}" if up.model else ""
+            )
     tokenizers = {pool: load_tokenizer(path) for pool, path in config.tokenizers.items()}
     policy = FailurePolicy(
         tokens=config.fail_tokens,
@@ -171,6 +183,12 @@ def _build_router(config: GatewayConfig, redis, registry: CollectorRegistry, poo
         config.cascade_large_pool,
         scorer.name,
     )
+    small = config.upstreams.get(config.cascade_small_pool or "")
+    no_logprobs = None
+    if small is not None and small.kind not in ("switchyard", "auto"):
+        if not adapter_for(small.kind).gives_logprobs:
+            pool = config.cascade_small_pool
+            no_logprobs = f"pool {pool!r} is served by {small.kind}, which gives none"
     cache = Path(config.data_dir) / "classifiers" / "versions"
     cache.mkdir(parents=True, exist_ok=True)
     return Router(
@@ -182,6 +200,7 @@ def _build_router(config: GatewayConfig, redis, registry: CollectorRegistry, poo
         metrics,
         config.routing_poll_s,
         classifiers=ClassifierRegistry(redis, cache),
+        no_logprobs=no_logprobs,
     )
 
 

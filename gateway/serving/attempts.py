@@ -44,6 +44,7 @@ async def open_attempt(
     await attempt.lease.wait()
     if gw.metrics is not None:
         gw.metrics.queue_wait.labels(attempt.lease.pool.name).observe(time.monotonic() - queued)
+    attempt.sent_at = time.monotonic()
     upstream = await send_attempt(
         gw.workers,
         attempt.lease,

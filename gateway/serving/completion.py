@@ -7,6 +7,7 @@ is told what it is charged."""
 
 import asyncio
 import logging
+import time
 
 import msgspec
 from litestar import Request, Response
@@ -16,7 +17,7 @@ from gateway.errors import error_response, to_api_error
 from gateway.gateway import Gateway
 from gateway.serving.attempts import answer_bytes, open_attempt, read_answer, relayed_error
 from gateway.serving.flight import Attempt, Flight
-from gateway.serving.plan import Plan, billed, counts, note_usage, upstream_body
+from gateway.serving.plan import Plan, billed, counts, note_usage
 from workers.api.client import UpstreamError, UpstreamResponse
 from workers.api.types import ApiError, Usage, parse_summary
 
@@ -57,7 +58,7 @@ async def _complete(
 ) -> Response:
     plan = flight.plan
     escalate = plan.escalation is not None
-    body = upstream_body(flight.req, plan, gw.cache_salt(plan.tenant_id), with_logprobs=escalate)
+    body = gw.body_for(flight.req, plan, with_logprobs=escalate)
     upstream = await open_attempt(gw, flight, attempt, body, stream=False)
     if upstream.status_code != 200:
         return await relayed_error(upstream, plan, headers)
@@ -83,6 +84,13 @@ async def _answer(
     if summary is None:
         raise UpstreamError("the model server's answer is not a completion")
     note_usage(attempt.served, summary.usage)
+    if summary.usage is not None and attempt.lease.worker is not None:
+        attempt.lease.pool.record_service(
+            attempt.lease.worker.url,
+            summary.usage.prompt_tokens,
+            summary.usage.completion_tokens,
+            total_s=time.monotonic() - attempt.sent_at,
+        )
     return _told(content, plan, attempt, summary.usage)
 
 
@@ -105,13 +113,7 @@ async def _maybe_escalate(
     answer = small
     if should_escalate(token_logprobs(small), plan.escalation):
         large = router.large_pool
-        body = upstream_body(
-            flight.req,
-            plan,
-            gw.cache_salt(plan.tenant_id),
-            pool=large,
-            with_logprobs=plan.client_logprobs,
-        )
+        body = gw.body_for(flight.req, plan, pool=large, with_logprobs=plan.client_logprobs)
         try:
             attempt = flight.attempt(large)
             upstream = await open_attempt(gw, flight, attempt, body, stream=False)

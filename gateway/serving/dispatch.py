@@ -20,18 +20,22 @@ import logging
 import math
 import random
 import time
+from collections.abc import AsyncIterator, Mapping
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt
 from tenacity.wait import wait_base
 
 from gateway.capacity.admission import DeadlineExceeded
+from gateway.capacity.balancer import WorkerView
 from gateway.capacity.lease import Lease
 from gateway.capacity.pool import Pool
-from workers.api.client import UpstreamResponse, WorkerClient, WorkerUnavailable
+from workers.api.client import UpstreamError, UpstreamResponse, WorkerClient, WorkerUnavailable
+from workers.api.upstreams.registry import adapter_for
 
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})  # the worker's or its proxy's overload
+FIRST_EVENT_MAX_BYTES = 65536  # a foreign stream's first event is read ahead up to this
 LOST_AFTER_S = 5.0  # silence (no poll answer, no byte) after which an unreachable worker is lost
 
 
@@ -117,7 +121,7 @@ async def _try_once(
     remaining_s = deadline - time.monotonic()
     if remaining_s <= 0:
         raise DeadlineExceeded(lease.ticket.request_id, deadline, 0.0, "dispatch")
-    sending = asyncio.ensure_future(client.post(view.url, path, body, stream=stream))
+    sending = asyncio.ensure_future(_send(client, view, path, body, stream))
     try:
         while True:
             # The answer, raced against the pool's word that the worker is unreachable or
@@ -144,6 +148,8 @@ async def _try_once(
             sending.cancel()
     try:
         r = sending.result()
+    except Refused:
+        raise
     except WorkerUnavailable as exc:
         if exc.kind != "late" or client.quiet_s(view.url) >= lost_after_s:
             pool.mark_unreachable(view.url)  # not for a worker heard from lately: slow
@@ -152,6 +158,94 @@ async def _try_once(
         await r.aclose()
         raise Refused(f"{view.url} answered {r.status_code}", _retry_after(r))
     return r
+
+
+async def _send(
+    client: WorkerClient, view: WorkerView, path: str, body: bytes, stream: bool
+) -> UpstreamResponse:
+    """Post one try. A foreign server may accept a stream (200) and then say in its first
+    event that it is overloaded or still loading: that first event is read here, so such an
+    answer is a refusal that another replica may take, and any other is handed on whole."""
+    r = await client.post(view.url, path, body, stream=stream)
+    if not stream or r.status_code != 200 or view.kind in ("switchyard", "auto"):
+        return r
+    return await _first_event(r, view)
+
+
+async def _first_event(r: UpstreamResponse, view: WorkerView) -> UpstreamResponse:
+    it = r.aiter_raw()
+    head = b""
+    try:
+        while len(head) < FIRST_EVENT_MAX_BYTES:
+            piece = await anext(it, None)
+            if piece is None:
+                break
+            head += piece
+            event = _first_data_event(head)
+            if event is None:
+                continue
+            if b'"error"' in event and adapter_for(view.kind).overloaded(200, event):
+                await r.aclose()
+                raise Refused(f"{view.url} refused in its stream's first event")
+            break
+    except UpstreamError as exc:
+        await r.aclose()
+        raise Refused(f"{view.url} broke before its first event: {exc}") from exc
+    return Replayed(r, head, it)
+
+
+def _first_data_event(head: bytes) -> bytes | None:
+    """The first whole `data:` event in `head` (SSE comments skipped); None: none yet."""
+    for event in head.split(b"\n\n")[:-1]:
+        event = event.strip(b"\r\n")
+        if event.startswith(b"data:"):
+            return event
+    return None
+
+
+class Replayed(UpstreamResponse):
+    """An answer whose first bytes were read ahead (`_first_event`): they come first."""
+
+    __slots__ = ("_inner", "_head", "_it")
+
+    def __init__(self, inner: UpstreamResponse, head: bytes, it: AsyncIterator[bytes]) -> None:
+        self._inner, self._head, self._it = inner, head, it
+
+    @property
+    def status_code(self) -> int:
+        return self._inner.status_code
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        return self._inner.headers
+
+    async def aread(self, max_bytes: int = 64 << 20) -> bytes:
+        pieces = [self._head]
+        received = len(self._head)
+        async for piece in self._it:
+            received += len(piece)
+            if received > max_bytes:
+                self._inner.close()
+                raise UpstreamError(f"a body over {max_bytes} bytes")
+            pieces.append(piece)
+        return b"".join(pieces)
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        head, self._head = self._head, b""
+        if head:
+            yield head
+        async for piece in self._it:
+            yield piece
+
+    @property
+    def is_closed(self) -> bool:
+        return self._inner.is_closed
+
+    def close(self) -> None:
+        self._inner.close()
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
 
 
 def _is_lost(pool: Pool, client: WorkerClient, url: str, lost_after_s: float) -> bool:

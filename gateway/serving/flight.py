@@ -40,6 +40,7 @@ class Attempt:
     reading: "asyncio.Future[bytes] | None" = None  # the relay's pending read (abort cancels it)
     first_token_s: float | None = None  # a stream: arrival to its first token relayed
     max_itl_s: float = 0.0  # a stream: its longest gap between tokens relayed
+    sent_at: float = 0.0  # time.monotonic() when its turn came and it was sent
 
 
 class Flight:

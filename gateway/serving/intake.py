@@ -25,6 +25,7 @@ from gateway.serving.plan import (
     PublicRequest,
     affinity_of,
     check_context,
+    check_upstream_fields,
     client_logprobs,
     is_structured,
     max_tokens_of,
@@ -213,6 +214,7 @@ async def prepare(
             param="model",
             code="model_not_allowed",
         )
+    check_upstream_fields(req, pool, gw.pools[pool].kind)
     vocab_size, model_len = gw.pools[pool].model_limits()
     check_request(
         req,

@@ -25,6 +25,7 @@ from workers.api.types import (
     StreamOptions,
     Usage,
 )
+from workers.api.upstreams.fields import CLIENT_EXTRAS, fields_of, unsupported
 
 
 class GatewayCompletionRequest(CompletionRequest, kw_only=True, omit_defaults=True):
@@ -169,22 +170,40 @@ def client_logprobs(req: PublicRequest) -> bool:
     return req.logprobs is not None
 
 
+def check_upstream_fields(req: PublicRequest, pool: str, kind: str) -> None:
+    """Refuse (400) a request that sets an extra `pool`'s kind of server cannot honour: it
+    would be dropped or refused there, never answered as asked."""
+    bad = unsupported(kind, {name: getattr(req, name) for name in CLIENT_EXTRAS})
+    if bad:
+        raise ApiError(
+            400,
+            f"model {pool!r} is served by {kind}, which does not take `{bad[0]}`",
+            param=bad[0],
+            code="unsupported_parameter",
+        )
+
+
 def upstream_body(
     req: PublicRequest,
     plan: Plan,
     cache_salt: str,
     pool: str | None = None,
     with_logprobs: bool = False,
+    kind: str = "switchyard",
+    model: str | None = None,
 ) -> bytes:
     """The JSON body sent to a worker of `pool` (default: the plan's): the tenant's request
     with the model set, the output budget explicit, usage always requested on streams, the
     operator's fields overridden and gateway-only fields removed. `with_logprobs`: ask for
-    the chosen tokens' logprobs (escalation needs them to judge the answer)."""
+    the chosen tokens' logprobs (escalation needs them to judge the answer). `kind`: the
+    pool's kind of server, which is sent only the operator fields it takes
+    (`workers.api.upstreams.fields`); `model`: the name it serves (default: the pool's)."""
+    fields = fields_of(kind)
     changes: dict = {
-        "model": pool or plan.pool,
+        "model": model or pool or plan.pool,
         "max_tokens": plan.max_tokens,
-        "priority": plan.priority,
-        "cache_salt": cache_salt,
+        "priority": plan.priority if fields.priority else 0,
+        "cache_salt": cache_salt if fields.cache_salt else None,
         "ignore_eos": False,
         "switchyard_threshold": None,
     }

@@ -23,7 +23,7 @@ from gateway.serving.attempts import (
     relayed_error,
 )
 from gateway.serving.flight import Attempt, Flight
-from gateway.serving.plan import charge, upstream_body
+from gateway.serving.plan import charge
 from gateway.serving.relay import DONE, StreamAborted, StreamTimeout, relay
 from workers.api.client import UpstreamError, UpstreamResponse
 from workers.api.sse import EventStream
@@ -38,7 +38,7 @@ async def stream_response(
     """The stream to send (its events relay the worker's answer while they are sent), or a
     refusal with its status. The attempt's dispatch runs as `attempt.opening`, which the
     flight's settlement cancels if it is still pending."""
-    body = upstream_body(flight.req, flight.plan, gw.cache_salt(flight.plan.tenant_id))
+    body = gw.body_for(flight.req, flight.plan)
     opening = asyncio.ensure_future(open_attempt(gw, flight, attempt, body, stream=True))
     attempt.opening = opening
     aborting = flight.aborted
@@ -106,7 +106,7 @@ async def _relay_events(
     pool = attempt.lease.pool.name
     metrics = gw.metrics
     arrived_at = flight.record.arrived_at
-    last_at, last_tokens = 0.0, 0
+    last_at, last_tokens, first_at = 0.0, 0, 0.0
     try:
         async for event in relay(
             upstream,
@@ -120,6 +120,7 @@ async def _relay_events(
             if first and tokens:
                 first = False
                 last_at, last_tokens = time.monotonic(), tokens
+                first_at = last_at
                 attempt.lease.pool.record_ttft(last_at - flight.started_at, attempt.lease.ticket)
                 attempt.first_token_s = time.perf_counter() - arrived_at
                 if metrics is not None:
@@ -132,6 +133,14 @@ async def _relay_events(
                     for _ in range(min(tokens - last_tokens, 16)):
                         metrics.itl.labels(pool).observe(gap)
                 last_at, last_tokens = now, tokens
+        if first_at and attempt.lease.worker is not None:  # it ran to its end
+            attempt.lease.pool.record_service(
+                attempt.lease.worker.url,
+                attempt.served.usage_prompt_tokens or plan.prompt_tokens,
+                last_tokens,
+                first_token_s=first_at - attempt.sent_at,
+                decode_s=last_at - first_at,
+            )
     except StreamAborted:
         err = to_api_error(flight.abort_error, gw.rng)
         yield _usage_event(flight, attempt) + _error_event(err, flight)

@@ -49,9 +49,10 @@ async def _head(url: str, sending: Awaitable[Any], stream: bool, timeout_s: floa
 
 
 def _http_origin(url: str) -> tuple[str, int] | None:
-    """(host, port) of an `http://` URL; None for any other scheme (aiohttp serves it)."""
+    """(host, port) of an `http://` URL without a path; None for any other (aiohttp serves
+    https, and a base URL with a path prefix such as `http://host/openai`)."""
     parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
+    if parts.scheme != "http" or not parts.hostname or parts.path.strip("/"):
         return None
     return parts.hostname, parts.port or 80
 
@@ -214,6 +215,29 @@ class WorkerClient:
         self._http1 = Http1Pool(connect_timeout_s, max_head_bytes=max_head_bytes)
         self._origins: dict[str, tuple[str, int] | None] = {}  # worker URL -> (host, port)
         self._heard: dict[str, float] = {}  # worker URL -> when a poll or head last came back
+        # Headers of a member's every request (a foreign server's API key): URL -> headers.
+        self._headers: dict[str, dict[str, str]] = {}
+        self._header_lines: dict[str, bytes] = {}
+
+    def set_headers(self, url: str, headers: Mapping[str, str]) -> None:
+        """Send `headers` (e.g. `authorization`) with every request to the member at `url`:
+        its polls, probes and requests. An empty mapping removes them."""
+        url = url.rstrip("/")
+        if not headers:
+            self._headers.pop(url, None)
+            self._header_lines.pop(url, None)
+            return
+        self._headers[url] = dict(headers)
+        self._header_lines[url] = b"".join(
+            f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items()
+        )
+
+    def headers_for(self, url: str) -> dict[str, str]:
+        """The headers set for the member at `url` (a URL under it inherits them)."""
+        for base, headers in self._headers.items():
+            if url == base or url.startswith(base + "/"):
+                return headers
+        return {}
 
     def _http(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
@@ -276,7 +300,8 @@ class WorkerClient:
         `heard`: the worker URL whose `heard_at` an answer (any status) renews."""
         try:
             timeout = aiohttp.ClientTimeout(total=timeout_s)
-            async with self._http().get(url, timeout=timeout) as r:
+            headers = self.headers_for(url)
+            async with self._http().get(url, timeout=timeout, headers=headers) as r:
                 if heard is not None:
                     self._heard[heard] = time.monotonic()
                 return r.status, await r.read()
@@ -291,9 +316,8 @@ class WorkerClient:
         try:
             timeout = aiohttp.ClientTimeout(total=timeout_s)
             data = msgspec.json.encode(body)
-            async with self._http().post(
-                url, data=data, headers={**_JSON, **(headers or {})}, timeout=timeout
-            ) as r:
+            sent = {**_JSON, **self.headers_for(url), **(headers or {})}
+            async with self._http().post(url, data=data, headers=sent, timeout=timeout) as r:
                 content = await r.read()
         except (*_TRANSPORT_ERRORS, TimeoutError) as exc:
             raise UpstreamError(f"{url}: {exc!r}") from exc
@@ -312,14 +336,17 @@ class WorkerClient:
         if url not in self._origins:
             self._origins[url] = _http_origin(url)
         origin = self._origins[url]
-        if origin is None:  # https: aiohttp
-            sending = self._http().post(f"{url}{path}", data=body, headers=_JSON)
+        if origin is None:  # https, or a path prefix: aiohttp
+            headers = {**_JSON, **self._headers.get(url, {})}
+            sending = self._http().post(f"{url}{path}", data=body, headers=headers)
             response: UpstreamResponse = _AiohttpResponse(
                 await _head(url, sending, stream, timeout_s)
             )
             self._heard[url] = time.monotonic()
             return response
-        sending = self._http1.post(origin, path, body, _JSON_LINES)
+        sending = self._http1.post(
+            origin, path, body, _JSON_LINES + self._header_lines.get(url, b"")
+        )
         return UpstreamResponse(await _head(url, sending, stream, timeout_s))
 
     async def drain(

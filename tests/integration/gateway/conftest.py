@@ -90,17 +90,24 @@ def _flush(url: str) -> None:
 
 
 @contextmanager
-def gateway_stack(redis_url: str, replicas: dict[str, int] | None = None, **config):
-    """Fake backends per pool (name -> replica count), a gateway in front, fresh Redis db."""
+def gateway_stack(
+    redis_url: str,
+    replicas: dict[str, int] | None = None,
+    backend_options: dict[str, dict[str, Any]] | None = None,
+    **config,
+):
+    """Fake backends per pool (name -> replica count), a gateway in front, fresh Redis db.
+    `backend_options`: per pool, FakeBackend arguments (a `flavour`, an `api_key`)."""
     _flush(redis_url)
     replicas = replicas or {"small": 1, "large": 1}
+    backend_options = backend_options or {}
     with ExitStack() as stack:
         backends, urls, pools = {}, {}, {}
         for pool, count in replicas.items():
             pools[pool] = []
             for i in range(count):
                 name = f"{pool}{i}"
-                backends[name] = FakeBackend(name=name)
+                backends[name] = FakeBackend(name=name, **backend_options.get(pool, {}))
                 urls[name] = stack.enter_context(serving(backends[name]))
                 pools[pool].append(urls[name])
         # The door (gateway/capacity/door.py) holds over-share tenants by the others' latency,
