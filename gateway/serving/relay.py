@@ -142,9 +142,14 @@ async def relay(
                     served.tokens_relayed += 1
                 if chunk.usage is not None:
                     note_usage(served, chunk.usage)
-                    if not chunk.choices and not plan.wants_usage:
-                        continue
-                    data = _as_billed(data, chunk.usage, plan, attempt)
+                    if not plan.wants_usage:
+                        if not chunk.choices:
+                            continue
+                        # A server that puts usage on its last output chunk (llama-server's
+                        # completions): the chunk goes on, without what was not asked for.
+                        data = _without_usage(data)
+                    else:
+                        data = _as_billed(data, chunk.usage, plan, attempt)
                 if chunk.error is not None:
                     out.append(b"data: " + data + b"\n\n" + DONE)
                     finished = True
@@ -165,6 +170,12 @@ def _as_billed(data: bytes, reported: Usage, plan: Plan, attempt: Attempt) -> by
         return data
     chunk = msgspec.json.decode(data)  # an object: parse_chunk decoded it
     chunk["usage"] = bill
+    return msgspec.json.encode(chunk)
+
+
+def _without_usage(data: bytes) -> bytes:
+    chunk = msgspec.json.decode(data)  # an object: parse_chunk decoded it
+    chunk.pop("usage", None)
     return msgspec.json.encode(chunk)
 
 

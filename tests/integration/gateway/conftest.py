@@ -94,10 +94,12 @@ def gateway_stack(
     redis_url: str,
     replicas: dict[str, int] | None = None,
     backend_options: dict[str, dict[str, Any]] | None = None,
+    extra_pools: dict[str, list[str]] | None = None,
     **config,
 ):
     """Fake backends per pool (name -> replica count), a gateway in front, fresh Redis db.
-    `backend_options`: per pool, FakeBackend arguments (a `flavour`, an `api_key`)."""
+    `backend_options`: per pool, FakeBackend arguments (a `flavour`, an `api_key`);
+    `extra_pools`: pools of real servers already running (name -> their URLs)."""
     _flush(redis_url)
     replicas = replicas or {"small": 1, "large": 1}
     backend_options = backend_options or {}
@@ -110,6 +112,7 @@ def gateway_stack(
                 backends[name] = FakeBackend(name=name, **backend_options.get(pool, {}))
                 urls[name] = stack.enter_context(serving(backends[name]))
                 pools[pool].append(urls[name])
+        pools.update(extra_pools or {})
         # The door (gateway/capacity/door.py) holds over-share tenants by the others' latency,
         # which a test process (gateway, backends and clients sharing one GIL) has for
         # other reasons; it has tests of its own, so here it is off unless a test asks.
