@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 
 _LOST_STATES = ("unreachable", "stalled")  # a request waiting on such a worker retries
+# A hosted API (kind openai) tells nothing of its load: its readiness is asked this often.
+HOSTED_PROBE_INTERVAL_S = 5.0
 TTFT_BIAS_ALPHA = 0.1  # weight of each admitted stream's TTFT prediction error
 
 
@@ -75,6 +77,7 @@ class Pool:
         self.context_length = context_length
         # Foreign members' capacity, measured from the answers relayed (measured.py).
         self.measured: dict[str, MeasuredService] = {}
+        self._probed_at: dict[str, float] = {}  # when a hosted member was last probed
         # A member back from a stall rejoins the rotation only after a hold (flaps.py).
         self.flaps = FlapGuard(flap_policy or FlapPolicy())
         # Admission against the target (`admit`); None: counts and deadlines only.
@@ -147,6 +150,7 @@ class Pool:
         self._reported.pop(url, None)
         self._lost.pop(url, None)
         self.measured.pop(url, None)
+        self._probed_at.pop(url, None)
         self.flaps.forget(url)
 
     def record_arrival(self) -> None:
@@ -476,6 +480,12 @@ class Pool:
             if kind == "switchyard":
                 await self._refresh_one(view)
                 return
+        now = self.clock()
+        if view.kind == "openai" and now - self._probed_at.get(view.url, -math.inf) < (
+            HOSTED_PROBE_INTERVAL_S
+        ):
+            return  # a hosted API: its /v1/models is asked now and then, not every poll
+        self._probed_at[view.url] = now
         load = await adapter_for(view.kind).probe(get, view.url, 1.0)
         self._apply_foreign(view, load)
 

@@ -1,7 +1,7 @@
 """Which of the worker contract's request fields beyond OpenAI's each kind of server takes.
 
 Switchyard's request structs (`workers.api.types`) carry extras a worker honours (`top_k`,
-`min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`) and two the gateway sets for the
+`min_p`, `min_tokens`, `stop_token_ids`) and two the gateway sets for the
 operator (`cache_salt`, the tenant's prefix-cache namespace, and `priority`). A foreign
 server may refuse a field it does not know (a hosted API answers 400), or ignore it, which
 would answer a request as if the field had been honoured. So the gateway sends a kind only
@@ -17,9 +17,9 @@ CLIENT_EXTRAS: dict[str, object] = {
     "top_k": (0, -1),
     "min_p": (0.0,),
     "min_tokens": (0,),
-    "ignore_eos": (False,),
     "stop_token_ids": (None, []),
 }
+# `ignore_eos` is not one: the gateway sends it off to every pool (the operator's field).
 
 
 @dataclass(frozen=True)
@@ -39,10 +39,8 @@ FIELDS: dict[str, RequestFields] = {
     "vllm": RequestFields(_ALL, cache_salt=True, priority=False),
     # SGLang's OpenAI server takes the sampling extras; no cache salt.
     "sglang": RequestFields(_ALL, cache_salt=False, priority=False),
-    # llama-server: top_k, min_p and ignore_eos in its completion parameters.
-    "llamacpp": RequestFields(
-        frozenset({"top_k", "min_p", "ignore_eos"}), cache_salt=False, priority=False
-    ),
+    # llama-server: top_k and min_p in its completion parameters.
+    "llamacpp": RequestFields(frozenset({"top_k", "min_p"}), cache_salt=False, priority=False),
     # TGI's Messages API, Ollama's and a hosted API's OpenAI compatibility: OpenAI's fields.
     "tgi": RequestFields(frozenset(), cache_salt=False, priority=False),
     "ollama": RequestFields(frozenset(), cache_salt=False, priority=False),
