@@ -43,6 +43,7 @@ class FakeBackend:
         self.flavour = flavour
         self.api_key = api_key
         self.unauthorized = 0  # requests refused for a missing or wrong key
+        self.answer_headers: dict[str, str] = {}  # sent with each completion (x-ratelimit-*)
         self.token_delay_s = token_delay_s
         self.mode = mode
         self.logprob = -0.05  # of every token, when logprobs are asked for
@@ -242,6 +243,7 @@ class FakeBackend:
                         "choices": [choice],
                         "usage": usage,
                     },
+                    self.answer_headers,
                 )
             await send(
                 {

@@ -45,6 +45,9 @@ class GatewayConfig:
     request_timeout_s: float = 120.0  # deadline unless the `x-request-timeout` header says
     max_body_bytes: int = 1024 * 1024
     load_poll_interval_s: float = 0.2
+    # A ready foreign member (another kind of server) is probed this often (several GETs and
+    # a parse each); one not ready yet every load poll. A hosted API every 5 s.
+    foreign_probe_interval_s: float = 1.0
     max_inflight_per_worker: int = 32
     queue_max_requests: int = 256
     # Longest wait for a turn in the queue (503 + Retry-After past it); None: only the

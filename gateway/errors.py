@@ -9,6 +9,7 @@ from litestar.exceptions import HTTPException
 
 from gateway.capacity.admission import DeadlineExceeded, OverCapacity, QueueFull
 from gateway.capacity.lease import NoReplica
+from gateway.capacity.provider import ProviderLimited
 from gateway.serving.dispatch import Refused
 from quota.errors import (
     InvalidLimits,
@@ -59,6 +60,14 @@ def to_api_error(exc: Exception, rng: random.Random) -> ApiError:
             f"the queue is full ({exc.reason}); retry later",
             type="server_error",
             code="server_overloaded",
+            retry_after_s=exc.retry_after_s,
+        )
+    if isinstance(exc, ProviderLimited):
+        return ApiError(
+            503,
+            f"{exc}; retry after the Retry-After interval",
+            type="server_error",
+            code="upstream_rate_limited",
             retry_after_s=exc.retry_after_s,
         )
     if isinstance(exc, OverCapacity):

@@ -46,6 +46,7 @@ class WorkerView:
     ready_at: float | None = None  # when it was first seen ready (the pool's clock)
     seen_loading: bool = False  # it reported `loading` (it was seen starting)
     kind: str = "switchyard"  # the kind of server (workers.api.upstreams); auto: not yet known
+    kv_usage: float | None = None  # a foreign server's KV fraction in use, where it says
 
     @property
     def room(self) -> int:
@@ -91,6 +92,8 @@ def load_score(w: WorkerView) -> float:
     kv_used = 0.0
     if w.kv_total_tokens > 0:
         kv_used = 1.0 - max(0, min(w.kv_free_tokens, w.kv_total_tokens)) / w.kv_total_tokens
+    elif w.kv_usage is not None:  # a foreign server reports a fraction, not tokens
+        kv_used = w.kv_usage
     return (
         w.inflight
         + RUNNING_WEIGHT * w.num_running

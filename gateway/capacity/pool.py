@@ -5,7 +5,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 from gateway.capacity.admission import (
     AdmissionController,
@@ -28,6 +28,7 @@ from gateway.capacity.predictor import (
     predict,
     retry_after_s,
 )
+from gateway.capacity.provider import ProviderLimited, ProviderLimits
 from workers.api.client import WorkerClient
 from workers.api.upstreams.base import UpstreamLoad
 from workers.api.upstreams.registry import adapter_for, detect
@@ -63,6 +64,8 @@ class Pool:
         max_concurrency: int | None = None,
         context_length: int | None = None,
         upstream_headers: dict[str, str] | None = None,
+        foreign_probe_interval_s: float = 1.0,
+        tokens_per_minute: int | None = None,
     ) -> None:
         self.name = name
         # Sent with every request to a member (the upstream's API key); never logged.
@@ -77,7 +80,15 @@ class Pool:
         self.context_length = context_length
         # Foreign members' capacity, measured from the answers relayed (measured.py).
         self.measured: dict[str, MeasuredService] = {}
-        self._probed_at: dict[str, float] = {}  # when a hosted member was last probed
+        self._probed_at: dict[str, float] = {}  # when a foreign member was last probed
+        self.foreign_probe_interval_s = foreign_probe_interval_s
+        # A hosted pool's provider limits (its budget, and its x-ratelimit-* word): None for
+        # servers of our own and of the operator's, which refuse per replica.
+        self.provider = (
+            ProviderLimits(tokens_per_minute, clock, seat_share)
+            if kind == "openai" or tokens_per_minute is not None
+            else None
+        )
         # A member back from a stall rejoins the rotation only after a hold (flaps.py).
         self.flaps = FlapGuard(flap_policy or FlapPolicy())
         # Admission against the target (`admit`); None: counts and deadlines only.
@@ -215,7 +226,12 @@ class Pool:
             # Its waiting line (prefilled by the end of the backlog at the latest), and
             # ours not in its last report, hold seats too.
             occupied += [backlog + n * ratio * step for n in v.waiting_max_tokens]
-            unseen = v.inflight - len(occupied)
+            # A foreign server reports counts, not work: what it runs and queues beyond our
+            # requests there (other clients') holds seats too.
+            held = v.inflight
+            if v.kind != "switchyard":
+                held = max(held, v.num_running + v.num_waiting)
+            unseen = held - len(occupied)
             if unseen > 0:
                 hold = typical.prompt_tokens / rate + typical.output_tokens * step
                 occupied += [hold] * unseen
@@ -268,7 +284,24 @@ class Pool:
         (`Ticket.ttft_target_s`: the pool's, or its priority class's); else bound its wait
         in the queue to the latest start that still meets the target (`Ticket.start_by`).
         Without a target nothing changes; without a capacity model the start bound alone
-        holds."""
+        holds. A hosted pool refuses first what its provider would (ProviderLimited), and
+        counts what it admits against the provider's budget."""
+        provider = self.provider
+        tokens = ticket.prompt_tokens + ticket.max_tokens
+        if provider is not None:
+            wait, why = provider.wait_s(tokens)
+            if wait > 0:
+                raise ProviderLimited(self.name, why, wait + self.queue.jitter())
+        self._admit_by_target(ticket)
+        if provider is not None:
+            provider.charge(tokens)
+
+    def note_answer(self, url: str, status: int, headers: Mapping[str, str]) -> None:
+        """A foreign member's answer head: what it says of its provider's limits."""
+        if self.provider is not None and url in self.views:
+            self.provider.note_answer(status, headers)
+
+    def _admit_by_target(self, ticket: Ticket) -> None:
         target_s = ticket.ttft_target_s
         if not math.isfinite(target_s):
             return
@@ -480,11 +513,14 @@ class Pool:
             if kind == "switchyard":
                 await self._refresh_one(view)
                 return
+        # A ready member is probed every `foreign_probe_interval_s` (a hosted API every
+        # HOSTED_PROBE_INTERVAL_S), not every poll: each probe is several requests and a
+        # parse on the event loop, and this gateway counts its own requests there fresh.
+        # One not ready yet is probed every poll, so it joins the rotation at once.
         now = self.clock()
-        if view.kind == "openai" and now - self._probed_at.get(view.url, -math.inf) < (
-            HOSTED_PROBE_INTERVAL_S
-        ):
-            return  # a hosted API: its /v1/models is asked now and then, not every poll
+        every = HOSTED_PROBE_INTERVAL_S if view.kind == "openai" else self.foreign_probe_interval_s
+        if view.state == "ready" and now - self._probed_at.get(view.url, -math.inf) < every:
+            return
         self._probed_at[view.url] = now
         load = await adapter_for(view.kind).probe(get, view.url, 1.0)
         self._apply_foreign(view, load)
@@ -497,6 +533,7 @@ class Pool:
         view.num_running = load.num_running or 0
         view.num_waiting = load.num_waiting or 0
         view.kv_free_tokens = view.kv_total_tokens = 0
+        view.kv_usage = load.kv_usage
         view.max_model_len = self.context_length or load.max_model_len
         # Seats: what it runs at once (configured, else its slots, else our cap): beyond
         # them a request would wait in its queue, where no latency target holds.
@@ -611,8 +648,10 @@ def _starting(view: WorkerView) -> bool:
 
 def refusal_reason(error: Exception) -> str:
     """The `reason` label of an admission refusal: predicted (over the TTFT target at
-    arrival), late (its latest start passed in the queue), queue_full, no_replica or
-    deadline (its deadline passed first)."""
+    arrival), late (its latest start passed in the queue), provider (a hosted pool's
+    provider limits), queue_full, no_replica or deadline (its deadline passed first)."""
+    if isinstance(error, ProviderLimited):
+        return "provider"
     if isinstance(error, OverCapacity):
         return "predicted" if error.predicted_s is not None else "late"
     if isinstance(error, QueueFull):

@@ -93,6 +93,8 @@ def build_gateway(
             max_concurrency=up.max_concurrency,
             context_length=up.context_length,
             upstream_headers=upstream_headers(name, up),
+            foreign_probe_interval_s=config.foreign_probe_interval_s,
+            tokens_per_minute=up.tokens_per_minute,
         )
         if up.kind != "switchyard":
             log.info(

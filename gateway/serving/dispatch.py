@@ -154,6 +154,8 @@ async def _try_once(
         if exc.kind != "late" or client.quiet_s(view.url) >= lost_after_s:
             pool.mark_unreachable(view.url)  # not for a worker heard from lately: slow
         raise Refused(str(exc)) from exc
+    if view.kind != "switchyard":
+        pool.note_answer(view.url, r.status_code, r.headers)
     if r.status_code in RETRYABLE_STATUSES:
         await r.aclose()
         raise Refused(f"{view.url} answered {r.status_code}", _retry_after(r))

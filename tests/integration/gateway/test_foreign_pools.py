@@ -147,3 +147,42 @@ def test_the_openai_kind_fronts_another_gateway_with_its_key(redis_url, monkeypa
             # The near gateway's request was charged to the far tenant its key belongs to.
             assert eventually(lambda: far.charged("upstream-account") > 0)
             assert far_key not in fleet and far_key not in caplog.text
+
+
+def test_a_hosted_pool_is_held_to_its_provider_budget_and_its_word(redis_url):
+    up = UpstreamConfig(kind="openai", tokens_per_minute=30)
+    hosted = {"large": {"flavour": "vllm"}}  # it answers /v1/models, as a hosted API does
+    with gateway_stack(redis_url, backend_options=hosted, upstreams={"large": up}) as s:
+        assert eventually(lambda: _ready(s, "large"))
+        key = s.tenant("hosted")
+        with s.client(key) as c:
+            # A request counts its prompt and its max_tokens (10), as providers count them:
+            # two fit in 30 tokens a minute, a third does not.
+            body = {**BODY, "max_tokens": 10}
+            assert c.post("/v1/completions", json=body).status_code == 200
+            assert c.post("/v1/completions", json=body).status_code == 200
+            over = c.post("/v1/completions", json=body)
+            assert over.status_code == 503, over.text
+            assert over.json()["error"]["code"] == "upstream_rate_limited"
+            assert 50 <= float(over.headers["retry-after"]) <= 62  # until the minute frees
+            assert s.backends["large0"].total == 2  # the third never reached the provider
+        pool = s.gateway.pools["large"]
+        assert pool.refusals == {"provider": 1}
+
+    up = UpstreamConfig(kind="openai")
+    with gateway_stack(redis_url, backend_options=hosted, upstreams={"large": up}) as s:
+        assert eventually(lambda: _ready(s, "large"))
+        s.backends["large0"].answer_headers = {
+            "x-ratelimit-remaining-requests": "0",
+            "x-ratelimit-reset-requests": "20s",
+        }
+        key = s.tenant("told")
+        with s.client(key) as c:
+            assert c.post("/v1/completions", json=BODY).status_code == 200
+            told = c.post("/v1/completions", json=BODY)
+            assert (
+                told.status_code == 503 and told.json()["error"]["code"] == "upstream_rate_limited"
+            )
+            assert "no requests left" in told.json()["error"]["message"]
+            assert 19 <= float(told.headers["retry-after"]) <= 22
+        assert s.backends["large0"].total == 1
