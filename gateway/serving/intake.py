@@ -10,6 +10,7 @@ import functools
 import logging
 import time
 import uuid
+from typing import Any
 
 import msgspec
 from litestar import Request
@@ -36,6 +37,7 @@ from gateway.serving.prompt_tokens import PromptTooLong
 from quota.limiter import RateLimitState
 from quota.models import Tenant, TenantLimits
 from workers.api.types import ApiError, decode_request
+from workers.api.upstreams.registry import adapter_for
 from workers.api.validation import check_json_depth, check_request
 
 log = logging.getLogger(__name__)
@@ -231,6 +233,11 @@ async def prepare(
         counted = True
     except PromptTooLong as exc:  # a lower bound, over the room: check_context refuses it
         prompt_tokens, counted = exc.min_tokens, False
+    if counted and room is not None and prompt_tokens > SERVER_COUNT_FRACTION * room:
+        # An estimate near the context limit: the foreign server's own count decides.
+        exact = await server_count(gw, pool, req)
+        if exact is not None:
+            prompt_tokens = exact
     check_context(prompt_tokens, max_tokens, own_limit, model_len, at_least=not counted)
     if req.priority < tenant.priority_ceiling:
         raise ApiError(
@@ -265,6 +272,33 @@ async def prepare(
         n=req.n,
         structured=is_structured(req),
         priority=req.priority,
+    )
+
+
+# A pool counted by estimate asks its server for the exact count when the estimate passes
+# this fraction of the room the context leaves the prompt: the estimate (3 bytes a token)
+# errs long on English, and would refuse prompts that fit.
+SERVER_COUNT_FRACTION = 0.5
+SERVER_COUNT_TIMEOUT_S = 2.0
+
+
+async def server_count(gw: Gateway, pool: str, req: PublicRequest) -> int | None:
+    """The prompt's tokens by the pool's own server (a foreign kind's tokenize endpoint,
+    through a ready member); None where the pool counts exactly already, its kind cannot
+    say, or no member answers."""
+    target = gw.pools[pool]
+    if target.kind in ("switchyard", "auto") or gw.counter.exact_for(pool):
+        return None
+    member = next((v for v in target.views.values() if v.state == "ready"), None)
+    if member is None:
+        return None
+    body = msgspec.to_builtins(msgspec.structs.replace(req, model=target.upstream_model or pool))
+
+    async def post(url: str, payload: Any, timeout_s: float) -> tuple[int, Any]:
+        return await gw.workers.post_json(url, payload, timeout_s)
+
+    return await adapter_for(target.kind).count_prompt(
+        post, member.url, body, SERVER_COUNT_TIMEOUT_S
     )
 
 

@@ -249,6 +249,10 @@ class PromptCounter:
     def __init__(self, tokenizers: dict[str, PoolTokenizer]) -> None:
         self._tok = tokenizers
 
+    def exact_for(self, pool: str) -> bool:
+        """Whether text prompts of `pool` are counted by its tokenizer (else estimated)."""
+        return pool in self._tok
+
     def text(self, pool: str, text: str, limit_tokens: int | None = None) -> int:
         tok = self._tok.get(pool)
         if tok is None:

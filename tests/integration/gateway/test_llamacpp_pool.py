@@ -95,6 +95,20 @@ def test_chat_completions_and_streams_through_the_gateway_charge_what_they_tell(
         assert eventually(lambda: s.charged("acme") > told)
 
 
+def test_a_prompt_estimated_near_the_context_limit_is_counted_by_the_server(redis_url, llama):
+    # ~1,000 bytes of English: estimated at 3 bytes a token (334), more than the 312 the
+    # 512-token context leaves beside 200 output tokens; llama-server counts about 200.
+    prompt = ("The quick brown fox jumps over the lazy dog while the sun sets. " * 16)[:1000]
+    with _stack(redis_url, [llama.base_url]) as s:
+        assert eventually(lambda: _ready(s), 10)
+        client = _client(s, s.tenant("count"))
+        r = client.completions.create(model="large", prompt=prompt, max_tokens=200)
+        assert r.usage.prompt_tokens < 312 < -(-len(prompt) // 3)
+        with pytest.raises(openai.BadRequestError) as err:  # and what does not fit is refused
+            client.completions.create(model="large", prompt=prompt * 2, max_tokens=200)
+        assert err.value.code == "context_length_exceeded"
+
+
 def test_auto_cascades_across_engines_and_overflows_to_small_when_large_is_full(redis_url, llama):
     with _stack(redis_url, [llama.base_url], max_inflight_per_worker=8) as s:
         assert eventually(lambda: _ready(s), 10)
