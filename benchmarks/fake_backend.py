@@ -11,7 +11,8 @@ reports, usage and errors are the wire contract's types (`workers.api.types`), a
 worker's are. `GET /_stats` tells how many requests are active and what bodies it received.
 
 `flavour="vllm"` makes it stand in for a vLLM server instead of a worker: no `/load`, its
-load on `/metrics` under vLLM's names and its context length on `/v1/models`. `api_key`
+load on `/metrics` under vLLM's names and its context length on `/v1/models`;
+`flavour="ollama"` for an Ollama server (`/api/version`, `/api/ps` with nothing loaded). `api_key`
 makes every request without `Authorization: Bearer <api_key>` a 401, as a hosted API.
 
 Run alone: `python -m benchmarks.fake_backend --port 8101`.
@@ -89,6 +90,10 @@ class FakeBackend:
             return await _json(send, 200, {"status": "ok"})
         if path == "/load" and self.flavour == "switchyard":
             return await _json(send, 200, self._load())
+        if path == "/api/version" and self.flavour == "ollama":
+            return await _json(send, 200, {"version": "0.5.7"})
+        if path == "/api/ps" and self.flavour == "ollama":
+            return await _json(send, 200, {"models": []})
         if path == "/metrics" and self.flavour == "vllm":
             return await _text(send, self._vllm_metrics())
         if path == "/v1/models" and self.flavour == "vllm":

@@ -8,7 +8,7 @@ Every gateway replica re-reads them when the version changes (it polls the versi
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,7 +90,7 @@ class Router:
         metrics: RoutingMetrics,
         poll_s: float = 0.5,
         classifiers: Any = None,
-        no_logprobs: str | None = None,
+        no_logprobs: Callable[[], str | None] | None = None,
     ) -> None:
         """`classifiers`: a `gateway.learning.classifiers.ClassifierRegistry` of per-tenant scorers
         (None: every tenant is scored by `scorer`)."""
@@ -103,9 +103,10 @@ class Router:
         self.poll_s = poll_s
         self.settings = RoutingSettings()
         self.classifiers = classifiers
-        # Why the small pool's answers carry no logprobs (its kind of server gives none),
-        # so confidence escalation cannot work and settings enabling it are refused.
-        self.no_logprobs = no_logprobs
+        # Why the small pool's answers carry no logprobs now (its kind of server, configured
+        # or detected, gives none), so escalation cannot work and settings enabling it are
+        # refused; None: they do.
+        self.no_logprobs = no_logprobs or (lambda: None)
         self._checked_at = 0.0
 
     def scorer_for(self, tenant_id: str) -> tuple[DifficultyScorer, Sequence[float]]:
@@ -142,9 +143,10 @@ class Router:
         current = await self.refresh(force=True)
         new = settings_from_dict({**raw, "version": current.version + 1}, known_tenants)
         enabling = sorted(t for t, e in new.escalation.items() if e.enabled)
-        if enabling and self.no_logprobs is not None:
+        why = self.no_logprobs() if enabling else None
+        if why is not None:
             raise InvalidRouting(
-                f"escalation needs the small pool's token logprobs, and {self.no_logprobs}",
+                f"escalation needs the small pool's token logprobs, and {why}",
                 f"escalation.{enabling[0]}.enabled",
             )
         doc = settings_to_dict(new)

@@ -185,12 +185,14 @@ def _build_router(config: GatewayConfig, redis, registry: CollectorRegistry, poo
         config.cascade_large_pool,
         scorer.name,
     )
-    small = config.upstreams.get(config.cascade_small_pool or "")
-    no_logprobs = None
-    if small is not None and small.kind not in ("switchyard", "auto"):
-        if not adapter_for(small.kind).gives_logprobs:
-            pool = config.cascade_small_pool
-            no_logprobs = f"pool {pool!r} is served by {small.kind}, which gives none"
+    small = pools[config.cascade_small_pool]
+
+    def no_logprobs() -> str | None:
+        """Why the small pool gives no logprobs, by its kind as configured or detected."""
+        if small.kind in ("switchyard", "auto") or adapter_for(small.kind).gives_logprobs:
+            return None
+        return f"pool {small.name!r} is served by {small.kind}, which gives none"
+
     cache = Path(config.data_dir) / "classifiers" / "versions"
     cache.mkdir(parents=True, exist_ok=True)
     return Router(

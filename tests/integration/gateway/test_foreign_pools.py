@@ -186,3 +186,25 @@ def test_a_hosted_pool_is_held_to_its_provider_budget_and_its_word(redis_url):
             assert "no requests left" in told.json()["error"]["message"]
             assert 19 <= float(told.headers["retry-after"]) <= 22
         assert s.backends["large0"].total == 1
+
+
+def test_escalation_is_refused_for_a_small_pool_whose_kind_gives_no_logprobs(redis_url):
+    # Detected, not configured: the small pool's members turn out to be Ollama servers.
+    with gateway_stack(
+        redis_url,
+        backend_options={"small": {"flavour": "ollama"}},
+        upstreams={"small": UpstreamConfig(kind="auto")},
+        cascade_small_pool="small",
+        cascade_large_pool="large",
+    ) as s:
+        assert eventually(lambda: _ready(s, "small"))
+        assert s.gateway.pools["small"].kind == "ollama"
+        s.tenant("esc")
+        with s.admin() as a:
+            on = {"escalation": {"esc": {"enabled": True, "min_mean_logprob": -1.0}}}
+            r = a.put("/admin/routing", json=on)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert (error["code"], error["param"]) == ("invalid_routing", "escalation.esc.enabled")
+            assert "ollama" in error["message"]
+            assert a.put("/admin/routing", json={"default_threshold": 0.5}).status_code == 200
