@@ -5,7 +5,8 @@ sent several at once. Only the events that carry usage or an error are decoded, 
 the wire contract (`workers.api.types.StreamChunk`): the usage chunk is noted (and dropped
 unless the client asked for it), and an error event ends the relay after forwarding it.
 Every other event is an output chunk, recognised by its bytes, and counts one token (the
-worker's contract: one chunk per token) for the charge of a stream that is cut short.
+worker's contract: one chunk per token) for the charge of a stream that is cut short; a
+foreign server's chat chunk that only announces the role (no content yet) does not.
 After `[DONE]` the rest of the upstream body is drained so its keep-alive connection is
 reused; a byte of body after it is one nobody asked for, and drops the connection.
 
@@ -32,6 +33,7 @@ from workers.api.types import Usage, parse_chunk
 DONE = b"data: [DONE]\n\n"
 _DECODE_IF = (b'"usage"', b'"error"')  # the only events whose content the relay reads
 _OUTPUT_CHUNK = b'"choices"'  # without usage: an output chunk (the worker sends no other)
+_ROLE = b'"role"'  # a chat stream's first chunk (a worker's carries its first token too)
 
 
 class StreamTimeout(Exception):
@@ -132,7 +134,7 @@ async def relay(
                 finished = True
                 break
             if _DECODE_IF[0] not in data and _DECODE_IF[1] not in data:
-                if _OUTPUT_CHUNK in data:
+                if _OUTPUT_CHUNK in data and not (_ROLE in data and _announces_only(data)):
                     served.tokens_relayed += 1
                 out.append(b"data: " + data + b"\n\n")
                 continue
@@ -171,6 +173,24 @@ def _as_billed(data: bytes, reported: Usage, plan: Plan, attempt: Attempt) -> by
     chunk = msgspec.json.decode(data)  # an object: parse_chunk decoded it
     chunk["usage"] = bill
     return msgspec.json.encode(chunk)
+
+
+def _announces_only(data: bytes) -> bool:
+    """A chunk that only announces the assistant's role, with no content or tool call yet:
+    vLLM's and llama-server's first chat chunk, sent before any token. Not a token, so
+    neither the first token's time nor the count of what was relayed takes it."""
+    try:
+        chunk = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return False
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    if not isinstance(choices, list) or not choices:
+        return False
+    for choice in choices:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if not isinstance(delta, dict) or delta.get("content") or delta.get("tool_calls"):
+            return False
+    return True
 
 
 def _without_usage(data: bytes) -> bytes:

@@ -97,3 +97,36 @@ def test_an_error_event_is_forwarded_and_ends_the_stream():
     body, attempt = run([token("a") + error + token("never")], True)
     assert body == token("a") + error + DONE
     assert attempt.served.tokens_relayed == 1
+
+
+def chat(delta: dict, finish: str | None = None) -> bytes:
+    choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    return event({"id": "c", "object": "chat.completion.chunk", "choices": [choice]})
+
+
+def test_a_foreign_role_only_first_chunk_is_relayed_but_is_not_a_token():
+    role = chat({"role": "assistant", "content": None})  # llama-server's, before any token
+    first = chat({"role": "assistant", "content": "Hi"})  # a worker's: role and first token
+    out, attempt = run([role, chat({"content": "Hello"}), chat({"content": "!"}), DONE], False)
+    assert out.count(b"data: ") == 4 and attempt.served.tokens_relayed == 2
+    out, attempt = run([first, chat({"content": "!"}), DONE], False)
+    assert attempt.served.tokens_relayed == 2
+    empty = chat({"role": "assistant", "content": ""})  # vLLM's
+    _, attempt = run([empty, chat({"tool_calls": [{"index": 0}]}), DONE], False)
+    assert attempt.served.tokens_relayed == 1
+
+
+def test_usage_on_a_last_output_chunk_is_stripped_unless_asked():
+    last = event(
+        {
+            "id": "c",
+            "object": "text_completion",
+            "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+        }
+    )
+    out, attempt = run([token("a"), token("b"), last, DONE], False)
+    assert b'"usage"' not in out and b'"finish_reason":"length"' in out
+    assert attempt.served.usage_completion_tokens == 2
+    out, _ = run([token("a"), token("b"), last, DONE], True)
+    assert b'"usage"' in out
