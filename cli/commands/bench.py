@@ -75,10 +75,23 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def _cmd_foreign(args: argparse.Namespace) -> int:
-    from benchmarks.foreign_bench import ForeignBenchOptions, run_foreign_bench
+    from benchmarks.foreign_bench import PARTS, ForeignBenchOptions, run_foreign_bench
 
     if min(args.slots, args.threads, args.pairs, args.burst_factor) < 1:
         print("error: --slots, --threads, --pairs and --burst-factor must be >= 1", file=sys.stderr)
+        return 2
+    skip = tuple(part.strip() for part in args.skip.split(",") if part.strip())
+    if unknown := sorted(set(skip) - set(PARTS)):
+        print(
+            f"error: --skip {','.join(unknown)}: expected some of {','.join(PARTS)}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.cascade_rate <= 0 or args.cascade_duration <= 0:
+        print("error: --cascade-rate and --cascade-duration must be > 0", file=sys.stderr)
+        return 2
+    if not 0.0 <= args.cascade_hard_share <= 1.0:
+        print("error: --cascade-hard-share must be within 0..1", file=sys.stderr)
         return 2
     run_foreign_bench(
         ForeignBenchOptions(
@@ -93,6 +106,12 @@ def _cmd_foreign(args: argparse.Namespace) -> int:
             burst_tokens=args.burst_tokens,
             gguf=Path(args.gguf) if args.gguf else None,
             poll_interval_s=args.poll_interval,
+            skip=skip,
+            cascade_rate_per_s=args.cascade_rate,
+            cascade_duration_s=args.cascade_duration,
+            cascade_hard_share=args.cascade_hard_share,
+            cascade_model=Path(args.cascade_model) if args.cascade_model else None,
+            seed=args.seed,
         )
     )
     return 0
@@ -270,8 +289,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bf = bench.add_parser(
         "foreign",
         help="gateway in front of llama-server (a llamacpp pool) vs llama-server alone: added "
-        "latency and CPU, a burst past its slots under a TTFT target (docs/benchmarks/"
-        "foreign-pools.md)",
+        "latency and CPU, a burst past its slots under a TTFT target; the cascade over a "
+        "worker pool and it on a mixed load (docs/benchmarks/foreign-pools.md)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     bf.add_argument("--out", default="bench-results", help="where JSON and markdown go")
@@ -287,6 +306,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bf.add_argument(
         "--poll-interval", type=float, default=0.2, help="the gateway's load_poll_interval_s"
     )
+    bf.add_argument(
+        "--skip", default="", help="comma list of sequential,burst,cascade to leave out"
+    )
+    bf.add_argument(
+        "--cascade-rate", type=float, default=1.0, help="mixed load: Poisson arrivals per second"
+    )
+    bf.add_argument(
+        "--cascade-duration",
+        type=float,
+        default=30.0,
+        help="mixed load: seconds of arrivals per way",
+    )
+    bf.add_argument(
+        "--cascade-hard-share", type=float, default=0.3, help="mixed load: share of hard prompts"
+    )
+    bf.add_argument(
+        "--cascade-model",
+        default=None,
+        help="the small pool's checkpoint dir (None: the default model, fetched once)",
+    )
+    bf.add_argument("--seed", type=int, default=0, help="the mixed load's random seed")
     bu = bench.add_parser("upstream", help="upstream HTTP clients' CPU per request, side by side")
     bu.add_argument("--out", default="bench-results", help="where JSON and markdown go")
     bu.add_argument("--requests", type=int, default=4000, help="requests per client and mode")
