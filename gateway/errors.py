@@ -7,9 +7,9 @@ from typing import Any
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from gateway.capacity.admission import DeadlineExceeded, OverCapacity, QueueFull
 from gateway.capacity.lease import NoReplica
 from gateway.capacity.provider import ProviderLimited
+from gateway.capacity.refusals import DeadlineExceeded, OverCapacity, QueueFull
 from gateway.serving.dispatch import Refused
 from quota.errors import (
     InvalidLimits,

@@ -14,15 +14,10 @@ States: new -> queued -> granted (holds the turn, and a worker slot when one had
 import asyncio
 from collections.abc import Collection
 
-from gateway.capacity.admission import (
-    DeadlineExceeded,
-    NoReplica,
-    OverCapacity,
-    QueueFull,
-    Ticket,
-)
 from gateway.capacity.balancer import WorkerView
+from gateway.capacity.fair_queue import Ticket
 from gateway.capacity.pool import Pool
+from gateway.capacity.refusals import DeadlineExceeded, NoReplica, OverCapacity, QueueFull
 
 __all__ = ["Lease", "NoReplica"]
 

@@ -7,16 +7,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping
 
-from gateway.capacity.admission import (
-    AdmissionController,
-    DeadlineExceeded,
-    FairQueue,
-    OverCapacity,
-    QueueConfig,
-    QueueFull,
-    Ticket,
-)
+from gateway.capacity.admission import AdmissionController
 from gateway.capacity.balancer import WorkerView, choose_worker, has_room, is_live
+from gateway.capacity.fair_queue import FairQueue, QueueConfig, Ticket
 from gateway.capacity.flaps import FlapGuard, FlapPolicy
 from gateway.capacity.goodput import Goodput
 from gateway.capacity.measured import MeasuredService
@@ -29,6 +22,7 @@ from gateway.capacity.predictor import (
     retry_after_s,
 )
 from gateway.capacity.provider import ProviderLimited, ProviderLimits
+from gateway.capacity.refusals import DeadlineExceeded, OverCapacity, QueueFull
 from workers.api.client import WorkerClient
 from workers.api.upstreams.base import UpstreamLoad
 from workers.api.upstreams.registry import adapter_for, detect

@@ -15,7 +15,7 @@ import re
 from collections import deque
 from collections.abc import Callable, Mapping
 
-from gateway.capacity.admission import OverCapacity
+from gateway.capacity.refusals import OverCapacity
 
 WINDOW_S = 60.0
 MAX_PROVIDER_WAIT_S = 900.0  # a reset or Retry-After beyond this is not believed

@@ -33,8 +33,9 @@ from prometheus_client import CollectorRegistry, Counter
 from cascade.features import RequestView, request_view
 from cascade.labels import Label, builtin_verdict, features_of
 from cascade.policy import LearningSettings, learning_for
-from gateway.capacity.admission import DeadlineExceeded, OverCapacity, QueueFull, Ticket
+from gateway.capacity.fair_queue import Ticket
 from gateway.capacity.lease import Lease, NoReplica
+from gateway.capacity.refusals import DeadlineExceeded, OverCapacity, QueueFull
 from gateway.learning.label_store import LabelStore, RequestRecord
 from gateway.learning.shadow_budget import ShadowBudget
 from gateway.serving.dispatch import send_attempt

@@ -13,8 +13,8 @@ from litestar import Litestar
 from prometheus_client import CollectorRegistry
 
 from gateway.app import create_gateway_app
-from gateway.capacity.admission import QueueConfig
 from gateway.capacity.door import Gate
+from gateway.capacity.fair_queue import QueueConfig
 from gateway.capacity.flaps import FlapPolicy
 from gateway.capacity.pool import Pool
 from gateway.config import GatewayConfig, UpstreamConfig

@@ -11,7 +11,7 @@ import time
 
 from litestar import Response
 
-from gateway.capacity.admission import DeadlineExceeded
+from gateway.capacity.refusals import DeadlineExceeded
 from gateway.errors import error_response, upstream_error
 from gateway.gateway import Gateway
 from gateway.serving.dispatch import send_attempt

@@ -25,10 +25,10 @@ from collections.abc import AsyncIterator, Mapping
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt
 from tenacity.wait import wait_base
 
-from gateway.capacity.admission import DeadlineExceeded
 from gateway.capacity.balancer import WorkerView
 from gateway.capacity.lease import Lease
 from gateway.capacity.pool import Pool
+from gateway.capacity.refusals import DeadlineExceeded
 from workers.api.client import UpstreamError, UpstreamResponse, WorkerClient, WorkerUnavailable
 from workers.api.upstreams.registry import adapter_for
 

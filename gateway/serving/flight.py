@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gateway.capacity.admission import Ticket
+from gateway.capacity.fair_queue import Ticket
 from gateway.capacity.goodput import meets_targets
 from gateway.capacity.lease import Lease
 from gateway.serving.plan import Plan, PublicRequest, Served, billed

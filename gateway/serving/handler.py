@@ -16,7 +16,7 @@ from typing import Any
 
 from litestar import Request, Response
 
-from gateway.capacity.admission import DeadlineExceeded
+from gateway.capacity.refusals import DeadlineExceeded
 from gateway.errors import deadline_error, error_response, to_api_error
 from gateway.gateway import Gateway
 from gateway.serving.completion import json_response

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import msgspec
 from litestar import Response
 
-from gateway.capacity.admission import DeadlineExceeded
+from gateway.capacity.refusals import DeadlineExceeded
 from gateway.errors import deadline_error, to_api_error
 from gateway.gateway import Gateway
 from gateway.serving.attempts import (

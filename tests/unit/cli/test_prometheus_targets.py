@@ -3,7 +3,7 @@
 import json
 
 from cli.serve.fleet import PoolMembership
-from gateway.capacity.admission import QueueConfig
+from gateway.capacity.fair_queue import QueueConfig
 from gateway.capacity.pool import Pool
 
 

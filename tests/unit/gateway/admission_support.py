@@ -8,7 +8,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from gateway.capacity.admission import AdmissionController, FairQueue, QueueConfig, Ticket
+from gateway.capacity.admission import AdmissionController
+from gateway.capacity.fair_queue import FairQueue, QueueConfig, Ticket
 
 
 class FakeClock:

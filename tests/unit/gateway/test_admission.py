@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from gateway.capacity.admission import DeadlineExceeded, FairQueue, QueueConfig, QueueFull
+from gateway.capacity.fair_queue import FairQueue, QueueConfig
+from gateway.capacity.refusals import DeadlineExceeded, QueueFull
 from tests.unit.gateway.admission_support import (
     FakeClock,
     make_controller,

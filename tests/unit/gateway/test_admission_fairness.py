@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from gateway.capacity.admission import DeadlineExceeded, QueueFull
+from gateway.capacity.refusals import DeadlineExceeded, QueueFull
 from tests.unit.gateway.admission_support import (
     make_controller,
     make_queue,

@@ -8,10 +8,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gateway.api.admin import _capacity
-from gateway.capacity.admission import OverCapacity, QueueConfig, QueueFull
 from gateway.capacity.balancer import WorkerView
+from gateway.capacity.fair_queue import QueueConfig
 from gateway.capacity.goodput import Goodput, meets_targets
 from gateway.capacity.pool import Pool
+from gateway.capacity.refusals import OverCapacity, QueueFull
 from gateway.metrics import GatewayMetrics
 
 P = "switchyard_gateway_"

@@ -3,7 +3,7 @@ each flap (gateway/capacity/flaps.py), and the pool acts on the held state."""
 
 import asyncio
 
-from gateway.capacity.admission import QueueConfig
+from gateway.capacity.fair_queue import QueueConfig
 from gateway.capacity.flaps import FlapGuard, FlapPolicy
 from gateway.capacity.pool import Pool
 from workers.api.types import LoadReport

@@ -6,9 +6,10 @@ import time
 
 import pytest
 
-from gateway.capacity.admission import QueueConfig, QueueFull, Ticket
+from gateway.capacity.fair_queue import QueueConfig, Ticket
 from gateway.capacity.lease import Lease, NoReplica
 from gateway.capacity.pool import Pool
+from gateway.capacity.refusals import QueueFull
 
 
 def make_pool(num_workers: int = 2, max_inflight: int = 1, **queue) -> Pool:

@@ -7,10 +7,11 @@ import math
 
 import pytest
 
-from gateway.capacity.admission import NoReplica, QueueConfig, Ticket
 from gateway.capacity.balancer import WorkerView, is_live
+from gateway.capacity.fair_queue import QueueConfig, Ticket
 from gateway.capacity.lease import Lease
 from gateway.capacity.pool import Pool
+from gateway.capacity.refusals import NoReplica
 
 
 class Clock:

@@ -4,7 +4,7 @@ autoscaler reads (arrivals offered, service time of served requests)."""
 import asyncio
 import math
 
-from gateway.capacity.admission import QueueConfig, Ticket
+from gateway.capacity.fair_queue import QueueConfig, Ticket
 from gateway.capacity.lease import Lease
 from gateway.capacity.pool import Pool
 

@@ -1,6 +1,6 @@
 """What a pool tells the autoscaler: TTFT p90 over a window, None when nothing was seen."""
 
-from gateway.capacity.admission import QueueConfig
+from gateway.capacity.fair_queue import QueueConfig
 from gateway.capacity.pool import Pool
 
 

@@ -7,11 +7,12 @@ import math
 
 import pytest
 
-from gateway.capacity.admission import OverCapacity, QueueConfig, Ticket
 from gateway.capacity.balancer import WorkerView
+from gateway.capacity.fair_queue import QueueConfig, Ticket
 from gateway.capacity.lease import Lease
 from gateway.capacity.pool import Pool
 from gateway.capacity.predictor import ReplicaCapacity, Work, predict, retry_after_s
+from gateway.capacity.refusals import OverCapacity
 
 
 def replica(seats: int = 4, occupied: tuple[float, ...] = (), **kw: float) -> ReplicaCapacity:
