@@ -25,6 +25,7 @@ from benchmarks.foreign_report import (
     summarise_sequential,
     verdicts,
 )
+from benchmarks.gateway_bench import fake_backend
 from benchmarks.gateway_paths import gateway_process, make_key
 from benchmarks.peers.llama_server import (
     LlamaServer,
@@ -154,6 +155,38 @@ def _sequential(opts: ForeignBenchOptions, direct: Target, gateway: Target) -> d
     return out
 
 
+def _reference(
+    opts: ForeignBenchOptions, tmp: Path, redis_url: str, foreign: dict[str, Any]
+) -> dict[str, Any]:
+    """The same sequential requests through a gateway of our own kind (`switchyard`) in
+    front of the fake backend, told to answer in about as long as llama-server did: what a
+    gateway adds at that upstream latency, foreign adapter or not."""
+    plain = foreign.get("plain") or {}
+    direct_s = (plain.get("direct_ms") or {}).get("p50", 0.0) / 1e3
+    delay_s = max(direct_s, 0.001) / max(1, opts.max_tokens)
+    out: dict[str, Any] = {"token_delay_s": delay_s, "sequential": {}}
+    with fake_backend(tmp, token_delay_s=delay_s) as backend:
+        with gateway_process(
+            tmp,
+            backend.url,
+            redis_url,
+            pools={POOL: [backend.url]},
+            load_poll_interval_s=opts.poll_interval_s,
+        ) as (gw, proc):
+            key = make_key(gw, "bench-foreign-reference")
+            direct = Target("direct", backend.url, POOL, pids=[])
+            gateway = Target("gateway", gw, POOL, {"authorization": f"Bearer {key}"}, [proc.pid])
+            alternating(direct, gateway, 5, opts.max_tokens, False)
+            idle = idle_cores(gateway.pids, 3.0)
+            for mode, stream in (("plain", False), ("stream", True)):
+                out["sequential"][mode] = _part(
+                    lambda s=stream: summarise_sequential(
+                        alternating(direct, gateway, opts.num_pairs, opts.max_tokens, s), idle
+                    )
+                )
+    return out
+
+
 def _burst(opts: ForeignBenchOptions, direct: Target, gateway: Target) -> dict[str, Any]:
     n = opts.burst_factor * opts.slots
     # The gateway measures the server's step time from what it relays: a long stream
@@ -208,6 +241,9 @@ def run_foreign_bench(opts: ForeignBenchOptions) -> dict:
                 if "burst" not in opts.skip:
                     print(f"bench foreign: burst of {opts.burst_factor * opts.slots} streams")
                     data["burst"] = _burst(opts, direct, gateway)
+            if "sequential" not in opts.skip:
+                print("bench foreign: the same against the fake backend at that latency")
+                data["reference"] = _part(_reference, opts, tmp, redis_url, data["sequential"])
         if "cascade" not in opts.skip:
             # Its own gateway (both pools, the cascade on), the first one stopped: its
             # polling does not run beside this part's.

@@ -273,6 +273,23 @@ def _sequential_section(data: dict[str, Any], opts: dict[str, Any]) -> list[str]
         f"Gateway idle (polling every {opts.get('poll_interval_s', math.nan)} s) CPU: "
         f"{data.get('idle_gateway_cores', math.nan) * 1e3:.1f} ms per second.",
         "",
+        *_reference_section(data.get("reference")),
+    ]
+
+
+def _reference_section(ref: dict[str, Any] | None) -> list[str]:
+    """The same requests through a gateway of our own kind in front of the fake backend,
+    answering in about as long: what any gateway adds at that upstream latency."""
+    if not ref:
+        return []
+    if "error" in ref:
+        return [f"Reference (fake backend, kind switchyard) not run: {ref['error']}", ""]
+    return [
+        "The same through a gateway of our own kind (`switchyard`) in front of the fake "
+        f"backend, answering in about as long ({ref['token_delay_s'] * 1e3:.1f} ms a token):",
+        "",
+        markdown_table(sequential_rows(ref["sequential"] or {}), SEQ_COLUMNS),
+        "",
     ]
 
 

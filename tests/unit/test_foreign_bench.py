@@ -212,3 +212,16 @@ def test_markdown_has_the_cascade_table_and_no_section_for_a_skipped_part() -> N
         "sent": "RuntimeError: worker exited",
     }
     assert "- added p50 <= 2 ms: n/a (not measured)" in md
+
+
+def test_the_reference_table_is_our_own_kind_at_the_same_latency_and_no_verdict() -> None:
+    data = _data(2.5, 0)
+    ref = {"token_delay_s": 0.0125, "sequential": {"plain": data["sequential"]["plain"]}}
+    data["reference"] = ref
+    data["verdicts"] = verdicts(data)
+    md = foreign_markdown(data)
+    assert "kind (`switchyard`) in front of the fake backend" in md and "12.5 ms a token" in md
+    assert md.count("| plain | 10.00 | 10.00 | 12.50 | 12.50 | 2.50 |") == 2
+    data["reference"] = {"error": "RuntimeError: no backend"}
+    assert "not run: RuntimeError: no backend" in foreign_markdown(data)
+    assert verdicts(data)["added_p50_le_2ms"] is False  # the foreign rows alone decide
