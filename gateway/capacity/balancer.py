@@ -7,7 +7,7 @@ joins or leaves, only the keys that member wins or held move.
 """
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from hashlib import blake2b
 
 # load_score weights, in units of "one request this gateway has in flight there".
@@ -47,6 +47,9 @@ class WorkerView:
     seen_loading: bool = False  # it reported `loading` (it was seen starting)
     kind: str = "switchyard"  # the kind of server (workers.api.upstreams); auto: not yet known
     kv_usage: float | None = None  # a foreign server's KV fraction in use, where it says
+    # This gateway's requests there, in the order sent: request id -> (prompt tokens,
+    # max_tokens). Those its last report does not show yet are the most recent.
+    sent: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def room(self) -> int:

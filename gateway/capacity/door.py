@@ -1,7 +1,7 @@
 """Admission by tenant at the gateway's door, for when the gateway itself is the bottleneck.
 
-The fair queue (`gateway.capacity.fair_queue`) shares the workers' slots among tenants, but a request
-reaches it only after the gateway has spent most of its CPU on it (routing, the body,
+The fair queue (`gateway.capacity.fair_queue`) shares the workers' slots among tenants, but a
+request reaches it only after the gateway has spent most of its CPU on it (routing, the body,
 tokens, the quota). When the gateway process (or the machine, or Redis) is saturated,
 requests wait in front of the fair queue in arrival order, and a tenant that sends ten
 times more takes ten times more of the gateway. The door runs first, as an ASGI middleware

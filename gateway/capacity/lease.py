@@ -95,7 +95,7 @@ class Lease:
         # before it dispatches the next ticket. None: room vanished; `next_worker` retries.
         self._state = "granted"
         self._granted_at = self.pool.clock()
-        self.worker = self.pool.claim_slot(self.affinity, ())
+        self.worker = self.pool.claim_slot(self.affinity, (), self.ticket)
 
     def next_worker(self) -> WorkerView:
         """The worker for the next try: the one claimed at admission on the first try, then
@@ -105,7 +105,7 @@ class Lease:
         view = self.worker
         if view is None or view.url in self.tried:
             if view is not None:
-                self.pool.free_slot(view)
+                self.pool.free_slot(view, self.ticket)
                 self.worker = None
             view = self._claim(self.tried) or self._claim(())
             if view is None:
@@ -115,7 +115,7 @@ class Lease:
         return view
 
     def _claim(self, exclude: Collection[str]) -> WorkerView | None:
-        return self.pool.claim_slot(self.affinity, exclude)
+        return self.pool.claim_slot(self.affinity, exclude, self.ticket)
 
     def release(self, served: bool) -> None:
         """Give back the slot and the turn (or leave the queue). `served`: a worker answered
@@ -127,7 +127,7 @@ class Lease:
             self.pool.controller.abandon(self.ticket, self._future)
         elif state == "granted":
             if self.worker is not None:
-                self.pool.free_slot(self.worker)
+                self.pool.free_slot(self.worker, self.ticket)
                 self.worker = None
             if served:
                 self.pool.record_completion(self.pool.clock() - self._granted_at)

@@ -227,9 +227,17 @@ class Pool:
                 held = max(held, v.num_running + v.num_waiting)
             unseen = held - len(occupied)
             if unseen > 0:
-                hold = typical.prompt_tokens / rate + typical.output_tokens * step
-                occupied += [hold] * unseen
-                backlog += unseen * typical.prompt_tokens / rate
+                # Ours sent since its last report, by their own sizes (a burst of long
+                # prompts is a long prefill line); others' at the typical size. Each is
+                # prefilled after the line before it, then decodes.
+                sizes: list[tuple[int, float]] = [
+                    (prompt, max_tokens * ratio)
+                    for prompt, max_tokens in list(v.sent.values())[-unseen:]
+                ]
+                sizes += [(typical.prompt_tokens, typical.output_tokens)] * (unseen - len(sizes))
+                for prompt, output in sizes:
+                    backlog += prompt / rate
+                    occupied.append(backlog + output * step)
             out.append(ReplicaCapacity(v.seats, tuple(occupied), step, rate, 0.0, backlog))
         if not out:
             return None
@@ -388,15 +396,23 @@ class Pool:
     # Slots and completions are the Lease's (gateway/capacity/lease.py) to claim and record; nothing
     # else in the gateway touches a worker's in-flight count.
 
-    def claim_slot(self, affinity: bytes | None, exclude: Collection[str]) -> WorkerView | None:
-        """Count one request in flight on the best worker not in `exclude`; None: no room."""
+    def claim_slot(
+        self, affinity: bytes | None, exclude: Collection[str], ticket: Ticket | None = None
+    ) -> WorkerView | None:
+        """Count one request in flight on the best worker not in `exclude`; None: no room.
+        With its `ticket`, its size is kept there until `free_slot` (the capacity model
+        counts what the worker's last report does not show yet by what was sent)."""
         view = self.choose(affinity, set(exclude))
         if view is not None:
             view.inflight += 1
+            if ticket is not None:
+                view.sent[ticket.request_id] = (ticket.prompt_tokens, ticket.max_tokens)
         return view
 
-    def free_slot(self, view: WorkerView) -> None:
+    def free_slot(self, view: WorkerView, ticket: Ticket | None = None) -> None:
         view.inflight = max(view.inflight - 1, 0)
+        if ticket is not None:
+            view.sent.pop(ticket.request_id, None)
 
     def record_completion(self, held_s: float | None = None) -> None:
         """A request was served (holding a slot `held_s`): the completion rate behind

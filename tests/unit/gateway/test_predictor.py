@@ -227,3 +227,22 @@ def test_the_target_counts_from_arrival_and_the_measured_error_is_added() -> Non
     clock.now = 100.0
     with pytest.raises(OverCapacity):
         pool.admit(ticket("after-learning"))  # 1.65 + 0.5 s of measured error > 2 s
+
+
+def test_requests_sent_since_the_last_report_count_by_their_own_size() -> None:
+    # Two long prompts just sent, not in the worker's last report (inflight, no running):
+    # their prefill (2 x 2,000 tokens at 1,000 a second) is ahead of a short one.
+    view = ready("http://a", 8)
+    pool = pool_with(view)
+    for rid in ("long1", "long2"):
+        assert pool.claim_slot(None, (), ticket(rid, prompt=2000, max_tokens=10)) is view
+    assert list(view.sent) == ["long1", "long2"]
+    prediction = pool.predict(ticket("short", prompt=10, max_tokens=10))
+    assert prediction.ttft_s == pytest.approx(4.0 + 0.01 + 0.05)
+    with pytest.raises(OverCapacity):
+        pool.admit(ticket("short2", prompt=10, max_tokens=10))
+    # Once the report shows them (or they end), the sizes go with their slots.
+    pool.free_slot(view, ticket("long1"))
+    pool.free_slot(view, ticket("long2"))
+    assert view.sent == {} and view.inflight == 0
+    assert pool.predict(ticket("short3", prompt=10, max_tokens=10)).ttft_s == pytest.approx(0.06)
