@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from workers.api.tool_prompt import renders_tools, with_tool_prompt
 from workers.api.types import ApiError, ChatMessage, Tool, ToolChoice
 
 log = logging.getLogger(__name__)
@@ -83,10 +84,14 @@ class PoolTokenizer:
     def render_chat(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> str | None:
-        """The prompt the worker will build (tools rendered by the template); None when the
+        """The prompt the worker will build (tools rendered by the template, or by the
+        built-in tool prompt where the template has no tool support); None when the
         checkpoint has no template."""
         if self.hf is None:
             return None
+        template = self.hf.chat_template
+        if not renders_tools(template if isinstance(template, str) else None):  # as the worker
+            messages, tools = with_tool_prompt(messages, tools), None
         try:
             return self.hf.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=True, tokenize=False

@@ -1,10 +1,10 @@
 """Tool calling through the official `openai` client against a worker whose checkpoint has
 a Qwen2-style tool template: forced calls always validate, streamed deltas reassemble,
-`tool` messages are rendered back, and a template without tools is a clear 400."""
+`tool` messages are rendered back; and against a template without tools, which gets the
+built-in tool prompt, the same."""
 
 import json
 
-import httpx
 import pytest
 
 from gateway.serving.prompt_tokens import PoolTokenizer, PromptCounter
@@ -146,16 +146,69 @@ def test_a_tool_result_is_rendered_back_and_answered(client, tool_dir):
     assert counted == len(tok.encode(prompt, add_special_tokens=False))
 
 
-def test_a_template_without_tool_support_is_a_400(demo_dir):
+@pytest.fixture(scope="module")
+def plain(demo_dir):
+    """A worker whose template has no tool support: the built-in tool prompt stands in."""
     with running_worker(demo_dir) as w:
-        r = httpx.post(
-            f"{w.url}/v1/chat/completions",
-            json={"model": "small", "messages": USER, "tools": TOOLS, "max_tokens": 4},
-            timeout=30,
+        yield openai.OpenAI(base_url=f"{w.url}/v1", api_key="unused")
+
+
+def test_a_template_without_tools_answers_forced_calls_with_valid_arguments(plain):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in (named, "required"):
+        done = plain.chat.completions.create(
+            model="small", messages=USER, tools=TOOLS, tool_choice=choice, max_tokens=120, seed=2
         )
-    assert r.status_code == 400
-    err = r.json()["error"]
-    assert err["param"] == "tools" and err["code"] == "tools_not_supported"
+        assert done.choices[0].finish_reason == "tool_calls"
+        calls = done.choices[0].message.tool_calls
+        assert calls and all(c.id.startswith("call_") for c in calls)
+        if choice is named:
+            assert [c.function.name for c in calls] == ["get_weather"]
+        for c in calls:
+            _valid(c.function.name, c.function.arguments)
+
+
+def test_a_template_without_tools_streams_the_calls_of_the_whole_answer(plain):
+    kw = dict(
+        model="small", messages=USER, tools=TOOLS, tool_choice="required", max_tokens=160, seed=4
+    )
+    whole = plain.chat.completions.create(**kw).choices[0].message.tool_calls
+    calls: dict[int, dict] = {}
+    for chunk in plain.chat.completions.create(**kw, stream=True):
+        for d in (chunk.choices[0].delta.tool_calls if chunk.choices else None) or []:
+            call = calls.setdefault(d.index, {"name": None, "arguments": ""})
+            call["name"] = d.function.name or call["name"]
+            call["arguments"] += d.function.arguments or ""
+    assert whole and [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (w.function.name, w.function.arguments) for w in whole
+    ]
+
+
+def test_a_template_without_tools_renders_a_tool_result_back_as_the_gateway_counts(plain, demo_dir):
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    messages = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"},
+    ]
+    done = plain.chat.completions.create(
+        model="small", messages=messages, tools=TOOLS, tool_choice="auto", max_tokens=8
+    )
+    assert done.choices[0].message.role == "assistant"
+    body = {"model": "small", "messages": messages, "tools": TOOLS}
+    req = decode_request(json.dumps(body).encode(), ChatCompletionRequest)
+    tok = CheckpointTokenizer(demo_dir)
+    prompt = chat_prompt(req, tok, plan_tools(req, tok.chat_template))
+    assert "<tool_response>\nsunny, 24 C\n</tool_response>" in prompt
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
+    assert "<tools>" in prompt and '"name": "get_time"' in prompt
+    counter = PromptCounter({"small": PoolTokenizer(str(demo_dir))})
+    counted = counter.chat("small", req.messages, req.tools, req.tool_choice)
+    assert counted == len(tok.encode(prompt, add_special_tokens=False))
+    assert counted == done.usage.prompt_tokens
 
 
 def test_an_unknown_named_function_is_a_400(client):

@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 
+from workers.api.tool_prompt import renders_tools, with_tool_prompt
 from workers.api.types import ApiError, ChatCompletionRequest, CompletionRequest
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
@@ -97,7 +98,10 @@ def chat_prompt(
                 raise ApiError(400, "only text content parts are supported", param="messages")
             content = "".join(parts)
         messages.append({**extra, "content": content or ""})
-    return tokenizer.render_chat(messages, tools.tools if tools is not None else None)
+    tool_dicts = tools.tools if tools is not None else None
+    if not renders_tools(tokenizer.chat_template):
+        return tokenizer.render_chat(with_tool_prompt(messages, tool_dicts))
+    return tokenizer.render_chat(messages, tool_dicts)
 
 
 def usage(outs: list[RequestOutput]) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """Tool calling: what the chat template is given, what the output is constrained to, and
 how the output is read back into OpenAI `tool_calls`.
 
-- Tools are rendered by the checkpoint's own chat template (`apply_chat_template(tools=)`);
-  a template that never mentions `tools` cannot show them to the model: 400.
+- Tools are rendered by the checkpoint's own chat template (`apply_chat_template(tools=)`)
+  where it has tool support; a template that never mentions `tools` gets the built-in
+  tool prompt (`workers.api.tool_prompt`) and is read back in the Qwen/Hermes format.
 - `tool_choice`: `none` renders no tools and parses nothing; `auto` lets the model write
   its family's call format, parsed afterwards; a named function constrains the output to
   that function's arguments (its JSON schema); `required` constrains it to a JSON array
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from workers.api.tool_prompt import renders_tools
 from workers.api.types import ApiError, ChatCompletionRequest, NamedToolChoice
 from workers.engine.structured import GrammarSpec
 
@@ -47,8 +49,9 @@ class ToolPlan:
 
 
 def template_family(template: str) -> str | None:
-    """The call format a chat template teaches; None when it has no tool support."""
-    if "tools" not in template:
+    """The call format a chat template teaches; None when it has no tool support (the
+    built-in tool prompt, read as `qwen`, stands in)."""
+    if not renders_tools(template):
         return None
     if "[TOOL_CALLS]" in template:
         return _MISTRAL
@@ -66,14 +69,7 @@ def plan_tools(req: ChatCompletionRequest, template: str | None) -> ToolPlan | N
         return None
     if choice == "none":
         return None
-    family = template_family(template or "")
-    if family is None:
-        raise ApiError(
-            400,
-            "this model's chat template has no tool support; send the request without tools",
-            param="tools",
-            code="tools_not_supported",
-        )
+    family = template_family(template or "") or _QWEN
     names = [t.function.name for t in req.tools]
     if len(set(names)) != len(names):
         raise ApiError(400, "tool function names must be unique", param="tools")

@@ -77,6 +77,22 @@ def test_a_marker_prefix_is_held_back_until_it_resolves():
     assert stream.push("s are nice")[0] == "<tools are nice"
 
 
+def test_a_template_without_tools_gets_the_built_in_prompt_read_as_qwen():
+    """No 400: the built-in tool prompt teaches `<tool_call>`; forced calls stay forced."""
+    named = {"type": "function", "function": {"name": "f"}}
+    plans = [
+        plan_tools(_request(tools=TOOLS, **fields), "{{ messages }}")
+        for fields in ({}, {"tool_choice": "required"}, {"tool_choice": named})
+    ]
+    assert [p.format for p in plans if p] == ["qwen", "required", "named"]
+    assert plan_tools(_request(tools=TOOLS, tool_choice="none"), None) is None
+
+
+def test_a_template_with_its_own_tool_format_keeps_it():
+    plan = plan_tools(_request(tools=TOOLS), "{% if tools %}[TOOL_CALLS]{% endif %}")
+    assert plan is not None and plan.format == "mistral"
+
+
 def test_template_family_from_the_template_text():
     assert template_family("{{ messages }}") is None
     assert template_family("{% if tools %}<tool_call>{% endif %}") == "qwen"
