@@ -24,6 +24,7 @@ from gateway.metrics import MetricsAccess
 from gateway.runtime.group_metrics import ProcessMetrics
 from gateway.serving.handler import handle
 from gateway.serving.intake import authenticate
+from gateway.serving.messages_edge import api_key_as_bearer, serve_messages
 from workers.api.types import ApiError
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,11 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
     @post("/v1/completions", status_code=200)
     async def completions(request: Request) -> Any:
         return await handle(gw, request, chat=False)
+
+    @post("/v1/messages", status_code=200)
+    async def messages(request: Request) -> Any:
+        """The Anthropic Messages API over the chat path (gateway/serving/messages_edge.py)."""
+        return await serve_messages(gw, request)
 
     @get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -119,6 +125,7 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
         route_handlers=[
             chat_completions,
             completions,
+            messages,
             models,
             *usage_routes(gw),
             *dashboard_routes(),
@@ -136,7 +143,8 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
         ],
         state=gateway_state(gw),
         exception_handlers=exception_handlers(gw.rng),
-        middleware=middleware,
+        # x-api-key (Anthropic's key header) as the bearer key, before the door hashes it.
+        middleware=[api_key_as_bearer, *middleware],
         lifespan=[lifespan],
         request_max_body_size=gw.config.max_body_bytes * 2,
         # The process's own logging (`--log-level`, `--log-format`): Litestar's default
