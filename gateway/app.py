@@ -24,7 +24,7 @@ from gateway.metrics import MetricsAccess
 from gateway.runtime.group_metrics import ProcessMetrics
 from gateway.serving.handler import handle
 from gateway.serving.intake import authenticate
-from gateway.serving.messages_edge import api_key_as_bearer, serve_messages
+from gateway.serving.messages_edge import messages_front, serve_messages
 from workers.api.types import ApiError
 
 log = logging.getLogger(__name__)
@@ -143,8 +143,9 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
         ],
         state=gateway_state(gw),
         exception_handlers=exception_handlers(gw.rng),
-        # x-api-key (Anthropic's key header) as the bearer key, before the door hashes it.
-        middleware=[api_key_as_bearer, *middleware],
+        # Messages requests: x-api-key (Anthropic's key header) as the bearer key, before
+        # the door hashes it, and the door's refusals in Anthropic's error shape.
+        middleware=[messages_front, *middleware],
         lifespan=[lifespan],
         request_max_body_size=gw.config.max_body_bytes * 2,
         # The process's own logging (`--log-level`, `--log-format`): Litestar's default

@@ -131,18 +131,65 @@ class _TranslatingSend:
         await self._send({"type": "http.response.body", "body": content, "more_body": False})
 
 
-def api_key_as_bearer(app: Any) -> Any:
-    """ASGI middleware, before the door: a Messages request authenticated by Anthropic's
-    `x-api-key` header (and no `Authorization`) carries it as `Authorization: Bearer`, so
-    the door and authentication see the one key header they read. Other paths unchanged."""
+def messages_front(app: Any) -> Any:
+    """ASGI middleware, before the door, for Messages requests only (other paths pass
+    untouched): Anthropic's `x-api-key` header (with no `Authorization`) is carried as
+    `Authorization: Bearer`, so the door and authentication see the one key header they
+    read; and a refusal answered before the route runs (the door's 429 `gateway_busy`, a
+    body over the size bound) leaves in Anthropic's error shape, as the route's own do."""
 
     async def middleware(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope.get("path") == MESSAGES_PATH:
-            headers = scope.get("headers", [])
-            names = {name for name, _ in headers}
-            if b"authorization" not in names and b"x-api-key" in names:
-                key = next(value for name, value in headers if name == b"x-api-key")
-                scope = {**scope, "headers": [*headers, (b"authorization", b"Bearer " + key)]}
-        await app(scope, receive, send)
+        if scope["type"] != "http" or scope.get("path") != MESSAGES_PATH:
+            await app(scope, receive, send)
+            return
+        headers = scope.get("headers", [])
+        names = {name for name, _ in headers}
+        if b"authorization" not in names and b"x-api-key" in names:
+            key = next(value for name, value in headers if name == b"x-api-key")
+            scope = {**scope, "headers": [*headers, (b"authorization", b"Bearer " + key)]}
+        await app(scope, receive, _ErrorShapeSend(send))
 
     return middleware
+
+
+class _ErrorShapeSend:
+    """A send that rewrites an OpenAI-shaped error answer (`{"error": {...}}`) into
+    Anthropic's (`{"type": "error", "error": {...}}`), status and headers kept; an answer
+    already in Anthropic's shape, a success or a stream passes as it is."""
+
+    __slots__ = ("_send", "_start", "_body")
+
+    def __init__(self, send: Any) -> None:
+        self._send = send
+        self._start: dict[str, Any] | None = None
+        self._body: list[bytes] = []
+
+    async def __call__(self, message: Any) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            content_type = dict(message.get("headers", [])).get(b"content-type", b"")
+            if message["status"] >= 400 and content_type.startswith(b"application/json"):
+                self._start = message  # held until the body says which shape it is
+                return
+        elif kind == "http.response.body" and self._start is not None:
+            self._body.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            await self._flush()
+            return
+        await self._send(message)
+
+    async def _flush(self) -> None:
+        assert self._start is not None
+        start, raw = self._start, b"".join(self._body)
+        self._start = None
+        try:
+            decoded = json.loads(raw)
+        except ValueError:
+            decoded = None
+        if isinstance(decoded, dict) and decoded.get("type") != "error" and "error" in decoded:
+            raw = json.dumps(from_chat_error(start["status"], raw)).encode()
+            headers = [(k, v) for k, v in start.get("headers", []) if k != b"content-length"]
+            start = {**start, "headers": [*headers, (b"content-length", str(len(raw)).encode())]}
+        await self._send(start)
+        await self._send({"type": "http.response.body", "body": raw, "more_body": False})

@@ -310,3 +310,58 @@ def test_an_in_band_error_becomes_an_error_event_and_ends_the_stream():
 def test_an_empty_stream_still_starts_and_stops_the_message():
     got = events(MessagesStream().feed(sse(b"[DONE]")))
     assert [name for name, _ in got] == ["message_start", "message_delta", "message_stop"]
+
+
+def _through_front(app, path: str = "/v1/messages", headers=()):  # noqa: ANN001, ANN202
+    """What `messages_front` sends for `app`'s answer: (start message, body bytes), and the
+    scope `app` saw."""
+    import asyncio
+
+    from gateway.serving.messages_edge import messages_front
+
+    sent, seen = [], {}
+
+    async def inner(scope, receive, send):  # noqa: ANN001, ANN202
+        seen.update(scope)
+        await app(scope, receive, send)
+
+    async def send(message):  # noqa: ANN001, ANN202
+        sent.append(message)
+
+    async def receive():  # noqa: ANN202
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    scope = {"type": "http", "path": path, "headers": list(headers)}
+    asyncio.run(messages_front(inner)(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start, body, seen
+
+
+def test_a_refusal_before_the_route_leaves_in_anthropics_shape():
+    import random
+
+    from gateway.capacity.door import _refusal
+
+    async def door(scope, receive, send):  # noqa: ANN001, ANN202 (the door refusing)
+        start, body = _refusal(random.Random(0), 1.0)
+        await send(start)
+        await send({"type": "http.response.body", "body": body})
+
+    start, body, seen = _through_front(door, headers=[(b"x-api-key", b"sk-1")])
+    assert (b"authorization", b"Bearer sk-1") in seen["headers"]
+    decoded = json.loads(body)
+    assert start["status"] == 429 and decoded["type"] == "error"
+    assert decoded["error"]["type"] == "rate_limit_error" and decoded["error"]["message"]
+    headers = dict(start["headers"])
+    assert b"retry-after" in headers and int(headers[b"content-length"]) == len(body)
+    # Another path's refusal, and an answer already in Anthropic's shape, pass unchanged.
+    start, other, _ = _through_front(door, path="/v1/chat/completions")
+    assert "type" not in json.loads(other) and json.loads(other)["error"]
+
+    async def route(scope, receive, send):  # noqa: ANN001, ANN202
+        await send({"type": "http.response.start", "status": 400,
+                    "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": b'{"type": "error", "error": {}}'})
+
+    assert _through_front(route)[1] == b'{"type": "error", "error": {}}'
