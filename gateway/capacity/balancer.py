@@ -59,6 +59,11 @@ class WorkerView:
         return self.max_inflight if self.seats is None else min(self.max_inflight, self.seats)
 
 
+def seats_share(seats: int, share: float) -> int:
+    """This gateway process's part of a replica's `seats` (`share`: 1/N of a group of N)."""
+    return max(1, int(seats * share))
+
+
 # A replica in one of these states takes requests now or will soon (a busy one is ready).
 LIVE_STATES = frozenset({"ready", "loading"})
 

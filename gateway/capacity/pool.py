@@ -8,11 +8,11 @@ from collections import deque
 from collections.abc import Callable, Collection, Mapping
 
 from gateway.capacity.admission import AdmissionController
-from gateway.capacity.balancer import WorkerView, choose_worker, has_room, is_live
+from gateway.capacity.balancer import WorkerView, choose_worker, has_room, is_live, seats_share
 from gateway.capacity.fair_queue import FairQueue, QueueConfig, Ticket
 from gateway.capacity.flaps import FlapGuard, FlapPolicy
+from gateway.capacity.foreign import ForeignMembers
 from gateway.capacity.goodput import Goodput
-from gateway.capacity.measured import MeasuredService
 from gateway.capacity.predictor import (
     NEVER,
     Prediction,
@@ -24,15 +24,11 @@ from gateway.capacity.predictor import (
 from gateway.capacity.provider import ProviderLimited, ProviderLimits
 from gateway.capacity.refusals import DeadlineExceeded, OverCapacity, QueueFull
 from workers.api.client import WorkerClient
-from workers.api.upstreams.base import UpstreamLoad
-from workers.api.upstreams.registry import adapter_for, detect
 
 log = logging.getLogger(__name__)
 
 
 _LOST_STATES = ("unreachable", "stalled")  # a request waiting on such a worker retries
-# A hosted API (kind openai) tells nothing of its load: its readiness is asked this often.
-HOSTED_PROBE_INTERVAL_S = 5.0
 TTFT_BIAS_ALPHA = 0.1  # weight of each admitted stream's TTFT prediction error
 
 
@@ -72,10 +68,9 @@ class Pool:
         # and context length when it does not say.
         self.max_concurrency = max_concurrency
         self.context_length = context_length
-        # Foreign members' capacity, measured from the answers relayed (measured.py).
-        self.measured: dict[str, MeasuredService] = {}
-        self._probed_at: dict[str, float] = {}  # when a foreign member was last probed
-        self.foreign_probe_interval_s = foreign_probe_interval_s
+        # Members of other kinds: probed through their adapters, measured from the answers
+        # relayed (foreign.py).
+        self.foreign = ForeignMembers(self, foreign_probe_interval_s)
         # A hosted pool's provider limits (its budget, and its x-ratelimit-* word): None for
         # servers of our own and of the operator's, which refuse per replica.
         self.provider = (
@@ -154,8 +149,7 @@ class Pool:
                 self.client.set_headers(url, {})
         self._reported.pop(url, None)
         self._lost.pop(url, None)
-        self.measured.pop(url, None)
-        self._probed_at.pop(url, None)
+        self.foreign.forget(url)
         self.flaps.forget(url)
 
     def record_arrival(self) -> None:
@@ -453,12 +447,12 @@ class Pool:
 
     async def refresh(self) -> None:
         """Poll every member's /load once; unreachable members leave the rotation."""
-        await asyncio.gather(*(self._refresh_one(v) for v in self.views.values()))
+        await asyncio.gather(*(self.refresh_one(v) for v in self.views.values()))
         self.controller.kick()
 
-    async def _refresh_one(self, view: WorkerView) -> None:
+    async def refresh_one(self, view: WorkerView) -> None:
         if view.kind != "switchyard":
-            await self._probe_foreign(view)
+            await self.foreign.probe(view)
             return
         report = await self.client.load(view.url)
         if report is None:
@@ -475,7 +469,7 @@ class Pool:
         view.kv_total_tokens = report.kv_total_tokens
         view.max_model_len = report.max_model_len or None
         view.vocab_size = report.vocab_size
-        view.seats = None if report.seats is None else _share(report.seats, self.seat_share)
+        view.seats = None if report.seats is None else seats_share(report.seats, self.seat_share)
         view.decode_step_s = report.decode_step_s
         view.prefill_tokens_per_s = report.prefill_tokens_per_s
         view.queued_prompt_tokens = report.queued_prompt_tokens
@@ -484,84 +478,18 @@ class Pool:
         view.waiting_max_tokens = tuple(report.waiting_max_tokens)
         view.itl_target_s = report.itl_target_s
         view.step_s = report.step_s
-        if report.state == "loading":
+        self.note_reported(view, report.state)
+
+    def note_reported(self, view: WorkerView, state: str) -> None:
+        """A member's reported state (its /load, or a foreign probe's): a start seen from
+        loading to ready is timed for `_start_s`, then the state applies (`_set_state`)."""
+        if state == "loading":
             view.seen_loading = True
-        elif report.state == "ready" and view.ready_at is None:
+        elif state == "ready" and view.ready_at is None:
             view.ready_at = self.clock()
             if view.seen_loading:  # seen starting: how long a start takes
                 self._start_times.append(view.ready_at - view.joined_at)
-        self._set_state(view, report.state)
-
-    async def _probe_foreign(self, view: WorkerView) -> None:
-        """Poll a member of another kind through its adapter (detecting the kind first
-        when the pool's is `auto`)."""
-
-        async def get(url: str, timeout_s: float) -> tuple[int | None, bytes]:
-            return await self.client.get(url, timeout_s, heard=view.url)
-
-        if view.kind == "auto":
-            try:
-                kind, why = await detect(get, view.url, 1.0)
-            except ValueError as exc:
-                self._set_state(view, "unreachable")
-                log.debug("pool %s: kind of %s not known yet: %s", self.name, view.url, exc)
-                return
-            if self.kind == "auto":
-                self.kind = kind
-            if kind != self.kind:
-                log.error(
-                    "pool %s: %s is a %s server, the pool's others are %s: kept out of it",
-                    self.name,
-                    view.url,
-                    kind,
-                    self.kind,
-                )
-                self._set_state(view, "unreachable")
-                return
-            view.kind = kind
-            log.info("pool %s: %s is a %s server (%s)", self.name, view.url, kind, why)
-            if kind == "switchyard":
-                await self._refresh_one(view)
-                return
-        # A ready member is probed every `foreign_probe_interval_s` (a hosted API every
-        # HOSTED_PROBE_INTERVAL_S), not every poll: each probe is several requests and a
-        # parse on the event loop, and this gateway counts its own requests there fresh.
-        # One not ready yet is probed every poll, so it joins the rotation at once.
-        now = self.clock()
-        every = HOSTED_PROBE_INTERVAL_S if view.kind == "openai" else self.foreign_probe_interval_s
-        if view.state == "ready" and now - self._probed_at.get(view.url, -math.inf) < every:
-            return
-        self._probed_at[view.url] = now
-        load = await adapter_for(view.kind).probe(get, view.url, 1.0)
-        self._apply_foreign(view, load)
-
-    def _apply_foreign(self, view: WorkerView, load: UpstreamLoad) -> None:
-        """What a foreign member's probe told, with the gateway's own measurements."""
-        if load.state != "unreachable":
-            view.answered = True
-        # Unknown figures stay out of the balance: our own in-flight count ranks it.
-        view.num_running = load.num_running or 0
-        view.num_waiting = load.num_waiting or 0
-        view.kv_free_tokens = view.kv_total_tokens = 0
-        view.kv_usage = load.kv_usage
-        view.max_model_len = self.context_length or load.max_model_len
-        # Seats: what it runs at once (configured, else its slots, else our cap): beyond
-        # them a request would wait in its queue, where no latency target holds.
-        concurrency = self.max_concurrency or load.slots or self.max_inflight_per_worker
-        view.seats = _share(concurrency, self.seat_share)
-        measured = self.measured.get(view.url)
-        if measured is not None:
-            view.decode_step_s = measured.decode_step_s
-            view.prefill_tokens_per_s = measured.prefill_tokens_per_s
-        if load.state == "loading":
-            view.seen_loading = True
-            if load.reason:
-                log.debug("pool %s: %s is loading: %s", self.name, view.url, load.reason)
-        elif load.state == "ready" and view.ready_at is None:
-            view.ready_at = self.clock()
-            if view.seen_loading:
-                self._start_times.append(view.ready_at - view.joined_at)
-        self._set_state(view, load.state)
+        self._set_state(view, state)
 
     def record_service(
         self,
@@ -573,19 +501,11 @@ class Pool:
         decode_s: float = 0.0,
         total_s: float | None = None,
     ) -> None:
-        """An answer a foreign member gave, for its measured capacity (`measured.py`): a
-        stream's seconds from sending to its first token and from its first to its last,
-        or a whole answer's `total_s`. Switchyard members report their own: ignored."""
-        view = self.views.get(url)
-        if view is None or view.kind in ("switchyard", "auto"):
-            return
-        measured = self.measured.setdefault(url, MeasuredService())
-        if first_token_s is not None:
-            measured.stream(prompt_tokens, first_token_s, output_tokens, decode_s)
-        elif total_s is not None:
-            measured.whole(prompt_tokens, total_s, output_tokens)
-        view.decode_step_s = measured.decode_step_s
-        view.prefill_tokens_per_s = measured.prefill_tokens_per_s
+        """An answer a foreign member gave, for its measured capacity (`foreign.py`)."""
+        self.foreign.record_service(
+            url, prompt_tokens, output_tokens,
+            first_token_s=first_token_s, decode_s=decode_s, total_s=total_s,
+        )  # fmt: skip
 
     def model_limits(self) -> tuple[int | None, int | None]:
         """(vocabulary size, context length) every reporting member accepts: the smallest
@@ -645,10 +565,6 @@ class Pool:
             }
             for v in self.views.values()
         ]
-
-
-def _share(seats: int, share: float) -> int:
-    return max(1, int(seats * share))
 
 
 def _starting(view: WorkerView) -> bool:
