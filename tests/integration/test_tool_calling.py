@@ -4,6 +4,7 @@ a Qwen2-style tool template: forced calls always validate, streamed deltas reass
 built-in tool prompt, the same."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -119,7 +120,9 @@ def test_parallel_tool_calls_false_gives_one_call(client):
     assert len(done.choices[0].message.tool_calls) == 1
 
 
-def test_a_tool_result_is_rendered_back_and_answered(client, tool_dir):
+def _tool_result_round_trip(client, checkpoint: Path):  # noqa: ANN001, ANN202
+    """A chat carrying an earlier call and its result, answered by the worker: (its answer,
+    the prompt the worker renders for it, the gateway's count of it, the tokenizer)."""
     call = {
         "id": "call_1",
         "type": "function",
@@ -135,14 +138,19 @@ def test_a_tool_result_is_rendered_back_and_answered(client, tool_dir):
     assert done.choices[0].message.role == "assistant"
     body = {"model": "small", "messages": messages, "tools": TOOLS}
     req = decode_request(json.dumps(body).encode(), ChatCompletionRequest)
-    tok = CheckpointTokenizer(tool_dir)
+    tok = CheckpointTokenizer(checkpoint)
     prompt = chat_prompt(req, tok, plan_tools(req, tok.chat_template))
+    counter = PromptCounter({"small": PoolTokenizer(str(checkpoint))})
+    counted = counter.chat("small", req.messages, req.tools, req.tool_choice)
+    return done, prompt, counted, tok
+
+
+def test_a_tool_result_is_rendered_back_and_answered(client, tool_dir):
+    _, prompt, counted, tok = _tool_result_round_trip(client, tool_dir)
     assert "<tool_response>\nsunny, 24 C\n</tool_response>" in prompt
     assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
     assert '"name": "get_time"' in prompt  # the tools themselves
     # The gateway counts what the worker renders, tools included.
-    counter = PromptCounter({"small": PoolTokenizer(str(tool_dir))})
-    counted = counter.chat("small", req.messages, req.tools, req.tool_choice)
     assert counted == len(tok.encode(prompt, add_special_tokens=False))
 
 
@@ -185,28 +193,10 @@ def test_a_template_without_tools_streams_the_calls_of_the_whole_answer(plain):
 
 
 def test_a_template_without_tools_renders_a_tool_result_back_as_the_gateway_counts(plain, demo_dir):
-    call = {
-        "id": "call_1",
-        "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-    }
-    messages = USER + [
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"},
-    ]
-    done = plain.chat.completions.create(
-        model="small", messages=messages, tools=TOOLS, tool_choice="auto", max_tokens=8
-    )
-    assert done.choices[0].message.role == "assistant"
-    body = {"model": "small", "messages": messages, "tools": TOOLS}
-    req = decode_request(json.dumps(body).encode(), ChatCompletionRequest)
-    tok = CheckpointTokenizer(demo_dir)
-    prompt = chat_prompt(req, tok, plan_tools(req, tok.chat_template))
+    done, prompt, counted, tok = _tool_result_round_trip(plain, demo_dir)
     assert "<tool_response>\nsunny, 24 C\n</tool_response>" in prompt
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
     assert "<tools>" in prompt and '"name": "get_time"' in prompt
-    counter = PromptCounter({"small": PoolTokenizer(str(demo_dir))})
-    counted = counter.chat("small", req.messages, req.tools, req.tool_choice)
     assert counted == len(tok.encode(prompt, add_special_tokens=False))
     assert counted == done.usage.prompt_tokens
 
