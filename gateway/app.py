@@ -6,10 +6,11 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response, delete, get, post
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
+from litestar.params import FromPath
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.api.admin import FleetController, KeyController, RoutingController, TenantController
@@ -25,6 +26,7 @@ from gateway.runtime.group_metrics import ProcessMetrics
 from gateway.serving.handler import handle
 from gateway.serving.intake import authenticate
 from gateway.serving.messages_edge import messages_front, serve_messages
+from gateway.serving.responses_edge import delete_response, get_response, serve_responses
 from workers.api.types import ApiError
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,21 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
     async def messages(request: Request) -> Any:
         """The Anthropic Messages API over the chat path (gateway/serving/messages_edge.py)."""
         return await serve_messages(gw, request)
+
+    @post("/v1/responses", status_code=200)
+    async def responses(request: Request) -> Any:
+        """The OpenAI Responses API over the chat path (gateway/serving/responses_edge.py)."""
+        return await serve_responses(gw, request)
+
+    @get("/v1/responses/{response_id:str}")
+    async def stored_response(request: Request, response_id: FromPath[str]) -> dict[str, Any]:
+        tenant = await authenticate(gw, request)
+        return await get_response(gw, tenant.tenant_id, response_id)
+
+    @delete("/v1/responses/{response_id:str}", status_code=200)
+    async def deleted_response(request: Request, response_id: FromPath[str]) -> dict[str, Any]:
+        tenant = await authenticate(gw, request)
+        return await delete_response(gw, tenant.tenant_id, response_id)
 
     @get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -126,6 +143,9 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
             chat_completions,
             completions,
             messages,
+            responses,
+            stored_response,
+            deleted_response,
             models,
             *usage_routes(gw),
             *dashboard_routes(),

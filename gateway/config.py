@@ -44,6 +44,9 @@ class GatewayConfig:
     max_tokens_cap: int = 4096  # larger max_tokens are refused
     request_timeout_s: float = 120.0  # deadline unless the `x-request-timeout` header says
     max_body_bytes: int = 1024 * 1024
+    # How long a stored Responses API response (`store: true`, its default) is kept in Redis
+    # for `GET /v1/responses/{id}` and `previous_response_id`: 30 days, as OpenAI keeps them.
+    responses_retention_s: int = 30 * 86_400
     load_poll_interval_s: float = 0.2
     # A ready foreign member (another kind of server) is probed this often (several GETs and
     # a parse each); one not ready yet every load poll. A hosted API every 5 s.

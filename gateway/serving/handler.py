@@ -12,7 +12,7 @@ their real HTTP status, streaming or not.
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from litestar import Request, Response
 
@@ -52,12 +52,23 @@ class _Sent(Response):
 SENT = _Sent(None)
 
 
-async def handle(gw: Gateway, request: Request, chat: bool) -> Response:
+class BodyEdge(Protocol):
+    """Another API in front of the chat path (`serving/messages_edge.py`,
+    `serving/responses_edge.py`): its body, read once the caller is authenticated, becomes
+    the chat body served (the tenant is given, for state kept per tenant)."""
+
+    async def chat_body(self, raw: bytes, tenant_id: str) -> bytes: ...
+
+
+async def handle(
+    gw: Gateway, request: Request, chat: bool, edge: BodyEdge | None = None
+) -> Response:
     """Serve one public request, its answer sent through the request's ASGI `send` (a
-    stream is relayed while its flight owns it); returns `SENT`."""
+    stream is relayed while its flight owns it); returns `SENT`. `edge`: the request's
+    body is another API's, translated to a chat body by it."""
     record = RequestRecord(request.scope["path"], time.perf_counter())
     try:
-        await _serve(gw, request, chat, record)
+        await _serve(gw, request, chat, record, edge)
     except asyncio.CancelledError:
         if record.status is None:
             record.status = 499  # the client left before an answer began
@@ -71,9 +82,11 @@ async def handle(gw: Gateway, request: Request, chat: bool) -> Response:
     return SENT
 
 
-async def _serve(gw: Gateway, request: Request, chat: bool, record: RequestRecord) -> None:
+async def _serve(
+    gw: Gateway, request: Request, chat: bool, record: RequestRecord, edge: BodyEdge | None
+) -> None:
     try:
-        flight = await _admit(gw, request, chat, record)
+        flight = await _admit(gw, request, chat, record, edge)
     except Exception as exc:  # refused before anything was reserved
         await _send(_refusal(gw, exc, record), request)
         return
@@ -85,12 +98,16 @@ async def _serve(gw: Gateway, request: Request, chat: bool, record: RequestRecor
     await _send(response, request)  # after settling: a slow reader holds no worker slot
 
 
-async def _admit(gw: Gateway, request: Request, chat: bool, record: RequestRecord) -> Flight:
+async def _admit(
+    gw: Gateway, request: Request, chat: bool, record: RequestRecord, edge: BodyEdge | None
+) -> Flight:
     """Authenticate, decode, plan and reserve: the request's flight, not entered yet."""
     arrived = record.arrived_at
     key_id, tenant, own_limits = await authenticate_caller(gw, request)
     record.tenant, record.key_id = tenant.tenant_id, key_id
     raw = await read_body(request, gw.config.body_timeout_s)
+    if edge is not None:
+        raw = await edge.chat_body(raw, tenant.tenant_id)
     req = decode(raw, chat, gw.config)
     if gw.router is not None:
         await gw.router.refresh()
