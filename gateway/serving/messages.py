@@ -16,12 +16,19 @@ from workers.api.types import ApiError
 
 class TextBlock(msgspec.Struct, tag="text", tag_field="type", forbid_unknown_fields=True):
     text: str
+    citations: None = None  # an answer's block sent back as it came (the SDKs dump nulls)
+
+
+class DirectCaller(msgspec.Struct, tag="direct", tag_field="type", forbid_unknown_fields=True):
+    """Who called a tool: the model itself (the only caller this gateway's answers name)."""
 
 
 class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type", forbid_unknown_fields=True):
     id: str
     name: str
     input: dict[str, Any]
+    caller: DirectCaller | None = None
+    toolset_name: None = None
 
 
 class ToolResultBlock(

@@ -8,7 +8,10 @@ how the output is read back into OpenAI `tool_calls`.
   its family's call format, parsed afterwards; a named function constrains the output to
   that function's arguments (its JSON schema); `required` constrains it to a JSON array
   of `{"name", "arguments"}` calls (one, unless `parallel_tool_calls`). Forced calls are
-  therefore always valid, whatever the model.
+  therefore always valid, whatever the model. An object in the arguments' schema that
+  does not say `additionalProperties` takes only its listed properties (`closed`, as
+  xgrammar's strict mode does): a function takes no argument it does not declare, and an
+  open object would let a weak model add keys until `max_tokens` cuts the call.
 - Output formats (`auto`): Qwen2/Qwen3/Hermes `<tool_call>{json}</tool_call>`, Llama 3
   a bare JSON object (`parameters` or `arguments`, optionally after `<|python_tag|>`,
   several separated by `;`), Mistral `[TOOL_CALLS][{...}, ...]`.
@@ -106,7 +109,8 @@ def tool_grammar(plan: ToolPlan, parallel: bool) -> GrammarSpec | None:
     """The constraint of a forced tool choice; None for `auto`. Arguments are objects, also
     where a schema does not say so."""
     params = {
-        t["function"]["name"]: {"type": "object", **t["function"]["parameters"]} for t in plan.tools
+        t["function"]["name"]: closed({"type": "object", **t["function"]["parameters"]})
+        for t in plan.tools
     }
     if plan.format == _NAMED:
         assert plan.named is not None
@@ -126,6 +130,30 @@ def tool_grammar(plan: ToolPlan, parallel: bool) -> GrammarSpec | None:
     if not parallel:
         array["maxItems"] = 1
     return GrammarSpec.from_schema(array, "tools")
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def closed(schema: Any) -> Any:
+    """A copy of `schema` in which every object with `properties` and no
+    `additionalProperties` has `additionalProperties: false`; nothing else changes."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(sub) for sub in out[key]]
+    for key in ("items", "additionalProperties", "not", "if", "then", "else"):
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:

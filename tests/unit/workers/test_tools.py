@@ -122,7 +122,40 @@ def test_a_forced_call_is_constrained_to_an_object():
     assert grammar is not None and json.loads(grammar.schema_json) == {
         "type": "object",
         "properties": {},
+        "additionalProperties": False,
     }
+
+
+def test_forced_arguments_take_only_declared_properties_unless_the_schema_says_otherwise():
+    """An object with `properties` and no `additionalProperties` is closed, at any depth
+    (nested, in arrays, in anyOf, in $defs); one that says either way is left as it is."""
+    point = {"type": "object", "properties": {"x": {"type": "number"}}}
+    params = {
+        "properties": {
+            "at": point,
+            "path": {"type": "array", "items": point},
+            "either": {"anyOf": [point, {"type": "string"}]},
+            "ref": {"$ref": "#/$defs/p"},
+            "extra": {"type": "object", "properties": {}, "additionalProperties": True},
+            "tags": {"type": "object", "additionalProperties": {"type": "string"}},
+        },
+        "$defs": {"p": point},
+    }
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    named = {"type": "function", "function": {"name": "f"}}
+    plan = plan_tools(_request(tools=tools, tool_choice=named), QWEN_TEMPLATE)
+    assert plan is not None
+    grammar = tool_grammar(plan, parallel=True)
+    assert grammar is not None
+    schema = json.loads(grammar.schema_json)
+    closed_point = {**point, "additionalProperties": False}
+    props = schema["properties"]
+    assert schema["additionalProperties"] is False
+    assert props["at"] == props["path"]["items"] == props["either"]["anyOf"][0] == closed_point
+    assert schema["$defs"]["p"] == closed_point
+    assert props["extra"]["additionalProperties"] is True
+    assert props["tags"] == {"type": "object", "additionalProperties": {"type": "string"}}
+    assert "additionalProperties" not in point  # the request's own schema is not changed
 
 
 def test_the_plan_allows_one_call_unless_parallel_tool_calls():
