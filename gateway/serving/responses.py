@@ -375,7 +375,7 @@ def response_object(
         text_format = {k: v for k, v in msgspec.to_builtins(fmt).items() if v is not None}
     tools = [{**msgspec.to_builtins(t), "strict": bool(t.strict)} for t in req.tools or []]
     choice = req.tool_choice
-    return {
+    response = {
         "id": response_id,
         "object": "response",
         "created_at": created_at,
@@ -404,10 +404,14 @@ def response_object(
         "top_logprobs": req.top_logprobs or 0,
         "top_p": req.top_p if req.top_p is not None else 1.0,
         "truncation": "disabled",
-        "usage": usage,
-        "user": req.user,
         "metadata": dict(req.metadata or {}),
     }
+    # Objects or strings when present, in OpenAI's schema: absent until known or unset.
+    if usage is not None:
+        response["usage"] = usage
+    if req.user is not None:
+        response["user"] = req.user
+    return response
 
 
 def from_chat(

@@ -42,10 +42,10 @@ def _nullable(node):
     return node
 
 
-SPEC = _nullable(
-    json.loads(
-        (Path(__file__).parents[1] / "support/openai_spec/openai-openapi-extract.json").read_text()
-    )
+SPEC_DIR = Path(__file__).parents[1] / "support/openai_spec"
+SPEC = _nullable(json.loads((SPEC_DIR / "openai-openapi-extract.json").read_text()))
+RESPONSES_SPEC = _nullable(
+    json.loads((SPEC_DIR / "openai-openapi-responses-extract.json").read_text())
 )
 ADMIN = "admin-conformance"
 WEATHER = {
@@ -79,7 +79,29 @@ VALIDATORS = {
     "completion": _validator("CreateCompletionResponse"),
     "completion_chunk": _completion_chunk_validator(),
     "error": _validator("ErrorResponse"),
+    "response": _validator("Response", RESPONSES_SPEC),
 }
+
+
+def _event_validators() -> dict[str, object]:
+    """A validator per Responses stream event type, from the members of the document's
+    `ResponseStreamEvent` union (its own errors name the failing field, the union's not)."""
+    schemas = RESPONSES_SPEC["components"]["schemas"]
+    out = {}
+    for member in schemas["ResponseStreamEvent"]["anyOf"]:
+        name = member["$ref"].rsplit("/", 1)[-1]
+        for kind in schemas[name]["properties"]["type"].get("enum", []):
+            out[kind] = _validator(name, RESPONSES_SPEC)
+    return out
+
+
+EVENT_VALIDATORS = _event_validators()
+
+
+def conform_event(event: dict) -> None:
+    validator = EVENT_VALIDATORS[event["type"]]
+    errors = sorted(validator.iter_errors(event), key=str)
+    assert not errors, f"{event['type']}: {errors[0].message} at {list(errors[0].absolute_path)}"
 
 
 def conform(kind: str, obj: dict) -> None:
@@ -146,7 +168,9 @@ def test_worker_responses_conform_to_openais_schemas(worker):
         conform("error", r.json())
 
 
-def test_gateway_responses_conform_to_openais_schemas(worker, tool_dir):
+@pytest.fixture(scope="module")
+def gateway_client(worker, tool_dir):
+    """A client of a gateway in front of `worker`, with a tenant's key."""
     with start_redis() as redis_url, tempfile.TemporaryDirectory() as data_dir:
         import redis
 
@@ -171,5 +195,58 @@ def test_gateway_responses_conform_to_openais_schemas(worker, tool_dir):
             ).json()["key"]
             headers = {"authorization": f"Bearer {key}"}
             with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
-                check_every_endpoint(client)
-            conform("error", httpx.get(f"{url}/v1/models").json())  # no key: 401
+                yield client
+
+
+def test_gateway_responses_conform_to_openais_schemas(gateway_client):
+    check_every_endpoint(gateway_client)
+    conform("error", httpx.get(f"{gateway_client.base_url}/v1/models").json())  # no key: 401
+
+
+def _events(client: httpx.Client, body: dict) -> list[dict]:
+    out = []
+    with client.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out.append(json.loads(line[6:]))
+    return out
+
+
+def test_the_responses_api_conforms_to_openais_schemas(gateway_client):
+    """Responses (text with logprobs, a forced function call, a JSON schema), each stream
+    event, a stored response read back and an error, against the Responses schemas."""
+    client = gateway_client
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": True}
+    text = {"model": "small", "input": "Hello", "max_output_tokens": 6, "temperature": 0}
+    bodies = [
+        {**text, "include": ["message.output_text.logprobs"], "top_logprobs": 2},
+        {
+            **text,
+            "instructions": "use the tool",
+            "tools": [tool],
+            "tool_choice": {"type": "function", "name": "get_weather"},
+            "max_output_tokens": 60,
+        },
+        {
+            **text,
+            "text": {"format": {"type": "json_schema", "name": "w", "schema": WEATHER}},
+            "max_output_tokens": 60,
+            "metadata": {"k": "v"},
+        },
+    ]
+    kinds = set()
+    for body in bodies:
+        r = client.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        conform("response", r.json())
+        kinds.update(item["type"] for item in r.json()["output"])
+        events = _events(client, {**body, "stream": True})
+        for event in events:
+            conform_event(event)
+        conform("response", client.get(f"/v1/responses/{events[-1]['response']['id']}").json())
+    assert kinds == {"message", "function_call"}
+    r = client.post("/v1/responses", json={**text, "temperature": 9})
+    assert r.status_code == 400
+    conform("error", r.json())
+    conform("error", client.get("/v1/responses/resp_nope").json())
