@@ -173,11 +173,20 @@ def _omit_none(**fields: Any) -> dict[str, Any]:
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
-def stop_reason_of(finish_reason: str | None) -> str:
-    """Anthropic's `stop_reason` for a chat `finish_reason` (`content_filter`: `refusal`)."""
+def stop_reason_of(finish_reason: str | None, matched: Any = None) -> str:
+    """Anthropic's `stop_reason` for a chat `finish_reason` (`content_filter`: `refusal`);
+    `matched`: the choice's `stop_reason` (the stop string that ended it, which the worker
+    and vLLM name), which makes a `stop` a `stop_sequence`."""
     if finish_reason == "content_filter":
         return "refusal"
+    if finish_reason in (None, "stop") and isinstance(matched, str):
+        return "stop_sequence"
     return STOP_REASONS.get(finish_reason or "stop", "end_turn")
+
+
+def stop_sequence_of(finish_reason: str | None, matched: Any) -> str | None:
+    """The stop sequence that ended a message, or None."""
+    return matched if stop_reason_of(finish_reason, matched) == "stop_sequence" else None
 
 
 def usage_of(usage: dict[str, Any] | None) -> dict[str, int]:
@@ -224,8 +233,8 @@ def from_chat(answer: dict[str, Any]) -> dict[str, Any]:
         "role": "assistant",
         "model": answer.get("model", ""),
         "content": content,
-        "stop_reason": stop_reason_of(choice.get("finish_reason")),
-        "stop_sequence": None,
+        "stop_reason": stop_reason_of(choice.get("finish_reason"), choice.get("stop_reason")),
+        "stop_sequence": stop_sequence_of(choice.get("finish_reason"), choice.get("stop_reason")),
         "usage": usage_of(answer.get("usage")),
     }
 

@@ -13,7 +13,13 @@ the usage chunk the request asked for) and `message_stop`. An in-band error beco
 import json
 from typing import Any
 
-from gateway.serving.messages import error_body, error_type, stop_reason_of, usage_of
+from gateway.serving.messages import (
+    error_body,
+    error_type,
+    stop_reason_of,
+    stop_sequence_of,
+    usage_of,
+)
 
 
 def sse_event(name: str, data: dict[str, Any]) -> bytes:
@@ -32,6 +38,7 @@ class MessagesStream:
         "_index",
         "_tool_index",
         "_finish",
+        "_matched",
         "_usage",
         "ended",
     )
@@ -43,6 +50,7 @@ class MessagesStream:
         self._index = -1  # the open (or last) block's index
         self._tool_index: int | None = None  # the chat tool call the open block carries
         self._finish: str | None = None
+        self._matched: Any = None  # the stop string that ended it, when the chunk names one
         self._usage: dict[str, Any] | None = None
         self.ended = False  # [DONE] or an error was translated: nothing more is sent
 
@@ -84,6 +92,7 @@ class MessagesStream:
                 out.extend(self._tool_call(call))
             if choice.get("finish_reason"):
                 self._finish = choice["finish_reason"]
+                self._matched = choice.get("stop_reason")
         return out
 
     def _start(self, chunk: dict[str, Any]) -> list[bytes]:
@@ -149,7 +158,10 @@ class MessagesStream:
         self.ended = True
         delta = {
             "type": "message_delta",
-            "delta": {"stop_reason": stop_reason_of(self._finish), "stop_sequence": None},
+            "delta": {
+                "stop_reason": stop_reason_of(self._finish, self._matched),
+                "stop_sequence": stop_sequence_of(self._finish, self._matched),
+            },
             "usage": usage_of(self._usage),
         }
         out.append(sse_event("message_delta", delta))

@@ -7,6 +7,7 @@ Each asserts what the application sees (a forced tool call that validates, an ag
 completion, a conversation continued by `previous_response_id`) and that the tenant was
 charged exactly the usage the client was told."""
 
+import json
 import tempfile
 
 import httpx
@@ -246,8 +247,21 @@ def anthropic_client(gateway):
 
 def test_anthropic_message_stream_and_tool_use_round_trip(gateway, anthropic_client):
     hello = [{"role": "user", "content": "hello"}]
-    message = anthropic_client.messages.create(model="small", max_tokens=6, messages=hello)
+    message = anthropic_client.messages.create(
+        model="small", max_tokens=6, messages=hello, extra_body={"temperature": 0}
+    )
     assert message.content[0].type == "text" and message.usage.output_tokens >= 1
+    # The same greedy answer, stopped by a piece of it, says which stop sequence it met.
+    piece = message.content[0].text[1:3]
+    assert len(piece) == 2
+    stopped = anthropic_client.messages.create(
+        model="small",
+        max_tokens=6,
+        messages=hello,
+        extra_body={"temperature": 0},  # a field this client version no longer names
+        stop_sequences=["zzz", piece],
+    )
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", piece)
     with anthropic_client.messages.stream(model="small", max_tokens=6, messages=hello) as s:
         streamed_text = "".join(s.text_stream)
         streamed = s.get_final_message()
@@ -280,6 +294,62 @@ def test_anthropic_message_stream_and_tool_use_round_trip(gateway, anthropic_cli
     assert result.usage.input_tokens + result.usage.cache_read_input_tokens > 0
     told = sum(
         m.usage.input_tokens + m.usage.cache_read_input_tokens + m.usage.output_tokens
-        for m in (message, streamed, use, result)
+        for m in (message, stopped, streamed, use, result)
     )
     assert eventually(lambda: gateway.charged("anthropic") == told)
+
+
+def _closed(node):
+    """A pydantic JSON schema whose models take no field beyond those they declare (the
+    SDK's models allow extras, so an answer with a stray field would pass them); a free
+    map (a tool's `input`) stays open."""
+    if isinstance(node, dict):
+        node = {k: _closed(v) for k, v in node.items()}
+        if "properties" in node and node.get("additionalProperties") is True:
+            node["additionalProperties"] = False
+        return node
+    if isinstance(node, list):
+        return [_closed(v) for v in node]
+    return node
+
+
+def test_anthropic_answers_conform_to_the_sdks_types(gateway):
+    """Anthropic publishes no OpenAPI document under a licence that can be vendored; its
+    SDK's types are generated from it (MIT), so messages, each stream event and errors are
+    validated against the JSON schemas of those types, closed to extra fields."""
+    pydantic = pytest.importorskip("pydantic")
+    from anthropic.types import Message, RawMessageStreamEvent
+    from anthropic.types.shared import ErrorResponse
+
+    def validator(schema):
+        return jsonschema.Draft202012Validator(_closed(schema))
+
+    message = validator(Message.model_json_schema())
+    event = validator(pydantic.TypeAdapter(RawMessageStreamEvent).json_schema())
+    error = validator(ErrorResponse.model_json_schema())
+    headers = {"x-api-key": gateway.tenant("anthropic-schema")}
+    base = {"model": "small", "max_tokens": 60, "messages": [{"role": "user", "content": "hi"}]}
+    tools = {
+        "tools": [{"name": "get_weather", "input_schema": WEATHER}],
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+    }
+    kinds = set()
+    for body in (base, {**base, **tools}, {**base, "stop_sequences": ["e"]}):
+        r = httpx.post(f"{gateway.url}/v1/messages", json=body, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        message.validate(r.json())
+        kinds.add(r.json()["stop_reason"])
+        with httpx.stream(
+            "POST",
+            f"{gateway.url}/v1/messages",
+            json={**body, "stream": True},
+            headers=headers,
+            timeout=60,
+        ) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: "):
+                    event.validate(json.loads(line[6:]))
+    assert "tool_use" in kinds
+    bad = httpx.post(f"{gateway.url}/v1/messages", json={**base, "max_tokens": 0}, headers=headers)
+    assert bad.status_code == 400
+    error.validate(bad.json())

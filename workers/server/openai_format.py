@@ -159,6 +159,8 @@ class ResponseBuilder:
         if not self.chat:
             finish = _finish(out, False)
             choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": finish}
+            if finish is not None and out is not None and out.stop_reason is not None:
+                choice["stop_reason"] = out.stop_reason
             return self._envelope("text_completion", [choice])
         delta: dict[str, Any] = {}
         calls: list[dict[str, Any]] = []
@@ -174,6 +176,8 @@ class ResponseBuilder:
             delta["tool_calls"] = calls
         finish = _finish(out, self.tools is not None and bool(self.tools[index].ids))
         choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
+        if finish is not None and out is not None and out.stop_reason is not None:
+            choice["stop_reason"] = out.stop_reason  # as the whole answer's choice has it
         return self._envelope("chat.completion.chunk", [choice])
 
     def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:

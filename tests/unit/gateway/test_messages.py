@@ -182,6 +182,23 @@ def test_finish_reasons_map_to_stop_reasons(finish, reason):
     assert answer["stop_reason"] == reason
 
 
+def test_a_matched_stop_string_is_a_stop_sequence_and_a_stop_token_is_not():
+    """The choice's `stop_reason` names the stop string that ended it (the worker's and
+    vLLM's field); a stop token id is not one of the request's stop sequences."""
+    answer = chat_answer({"role": "assistant", "content": "x"}, "stop")
+    answer["choices"][0]["stop_reason"] = "\n\n"
+    got = from_chat(answer)
+    assert (got["stop_reason"], got["stop_sequence"]) == ("stop_sequence", "\n\n")
+    answer["choices"][0]["stop_reason"] = 7
+    got = from_chat(answer)
+    assert (got["stop_reason"], got["stop_sequence"]) == ("end_turn", None)
+    last = chunk({"content": "a"}, finish="stop")
+    last["choices"][0]["stop_reason"] = "END"
+    stream = MessagesStream()
+    got_events = events(stream.feed(sse(last, b"[DONE]")))
+    assert got_events[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+
+
 def test_tool_arguments_that_are_not_an_object_are_a_502():
     call = {"id": "t", "type": "function", "function": {"name": "f", "arguments": "[1"}}
     with pytest.raises(ApiError) as failed:
