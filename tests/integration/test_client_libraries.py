@@ -1,7 +1,8 @@
 """The clients applications are built with, against a real gateway in front of a real
-worker whose model's chat template has no tool support (the demo checkpoint: tools go
-through the built-in tool prompt): LangChain (`langchain-openai`), the OpenAI Agents SDK
-(`openai-agents`, on the Responses API) and the Anthropic client (Messages API).
+worker serving the default model (SmolLM2-135M-Instruct, whose chat template has no tool
+support: tools go through the built-in tool prompt): LangChain (`langchain-openai`), the
+OpenAI Agents SDK (`openai-agents`, on the Responses API) and the Anthropic client
+(Messages API).
 
 Each asserts what the application sees (a forced tool call that validates, an agent run to
 completion, a conversation continued by `previous_response_id`) and that the tenant was
@@ -51,16 +52,16 @@ class Gateway:
 
 
 @pytest.fixture(scope="module")
-def gateway(demo_dir):
+def gateway(real_model_dir):
     with (
-        running_worker(demo_dir) as worker,
+        running_worker(real_model_dir) as worker,
         start_redis() as redis_url,
         tempfile.TemporaryDirectory() as data_dir,
     ):
         redis.Redis.from_url(redis_url).flushdb()
         cfg = GatewayConfig(
             pools={"small": [worker.url]},
-            tokenizers={"small": str(demo_dir)},
+            tokenizers={"small": str(real_model_dir)},
             data_dir=data_dir,
             admin_key=ADMIN,
             default_pool="small",
@@ -136,7 +137,7 @@ def test_an_agent_with_a_function_tool_runs_to_completion(gateway, agents_model)
     assert kinds[0] == "tool_call_item" and "tool_call_output_item" in kinds
     assert kinds[-1] == "message_output_item"
     told = sum(r.usage.total_tokens for r in result.raw_responses)
-    assert eventually(lambda: gateway.charged("agents") >= told)
+    assert eventually(lambda: gateway.charged("agents") == told)
     # The conversation goes on from the stored response, by its id alone.
     follow = agents.Agent(
         name="chat",
@@ -179,18 +180,21 @@ def test_a_streamed_agent_run_gives_its_events_and_the_same_kind_of_answer(agent
 # -- LangChain (Chat Completions)
 
 
-@pytest.fixture(scope="module")
-def chat_model(gateway):
+def _chat_model(gateway, tenant_id: str):
     langchain_openai = pytest.importorskip("langchain_openai")
-    key = gateway.tenant("langchain")
     return langchain_openai.ChatOpenAI(
         model="small",
         base_url=f"{gateway.url}/v1",
-        api_key=key,
+        api_key=gateway.tenant(tenant_id),
         max_tokens=60,
         temperature=0,
         max_retries=0,
     )
+
+
+@pytest.fixture(scope="module")
+def chat_model(gateway):
+    return _chat_model(gateway, "langchain")
 
 
 def test_langchain_tool_calls_forced_and_auto(chat_model):
@@ -226,13 +230,14 @@ def test_langchain_structured_output_both_methods(chat_model, method):
     assert isinstance(out, City) and len(out.name) <= 12
 
 
-def test_langchain_streams_chunks_with_usage(gateway, chat_model):
-    chunks = list(chat_model.stream("Say hello.", stream_usage=True))
+def test_langchain_streams_chunks_with_usage_and_is_charged_it(gateway):
+    chunks = list(_chat_model(gateway, "langchain-stream").stream("Say hello.", stream_usage=True))
     assert len(chunks) > 1
     usage = sum(chunks[1:], chunks[0]).usage_metadata
     # A token can end inside a character, so some tokens bring no text of their own.
     assert usage["output_tokens"] >= len([c for c in chunks if c.content]) > 0
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert eventually(lambda: gateway.charged("langchain-stream") == usage["total_tokens"])
 
 
 # -- the Anthropic client (Messages API)
