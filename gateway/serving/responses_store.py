@@ -10,11 +10,13 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from quota import keyspace
 from workers.api.types import ApiError
 
 
 def key(tenant_id: str, response_id: str) -> str:
-    return f"sy:{{{tenant_id}}}:resp:{response_id}"
+    """Under the tenant's prefix, so deleting the tenant deletes its stored responses."""
+    return f"{keyspace.tenant_prefix(tenant_id)}resp:{response_id}"
 
 
 class ResponseStore:
