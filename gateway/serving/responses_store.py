@@ -3,12 +3,16 @@ response under its tenant's hash tag (`sy:{tenant}:resp:ID`), kept for the confi
 retention (`GatewayConfig.responses_retention_s`). Each holds the response object and its
 conversation as chat messages, so `previous_response_id` continues it with one read.
 
-A tenant reads, continues and deletes only its own: another tenant's id is not found."""
+A tenant reads, continues and deletes only its own: another tenant's id is not found.
+Redis unreachable is a 503 `store_unavailable` with a Retry-After (a read or a delete), never
+a 500; a write that fails is the caller's to log."""
 
 import json
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from quota import keyspace
 from workers.api.types import ApiError
@@ -17,6 +21,22 @@ from workers.api.types import ApiError
 def key(tenant_id: str, response_id: str) -> str:
     """Under the tenant's prefix, so deleting the tenant deletes its stored responses."""
     return f"{keyspace.tenant_prefix(tenant_id)}resp:{response_id}"
+
+
+T = TypeVar("T")
+
+
+async def _reading(call: Awaitable[T]) -> T:
+    try:
+        return await call
+    except (RedisError, OSError) as exc:
+        raise ApiError(
+            503,
+            f"stored responses are unavailable ({type(exc).__name__}); retry later",
+            type="server_error",
+            code="store_unavailable",
+            retry_after_s=1.0,
+        ) from None
 
 
 class ResponseStore:
@@ -29,14 +49,14 @@ class ResponseStore:
         await self._redis.set(key(tenant_id, response_id), record, ex=self._retention_s)
 
     async def load(self, tenant_id: str, response_id: str) -> dict[str, Any] | None:
-        raw = await self._redis.get(key(tenant_id, response_id))
+        raw = await _reading(self._redis.get(key(tenant_id, response_id)))
         if raw is None:
             return None
         record: dict[str, Any] = json.loads(raw)
         return record
 
     async def delete(self, tenant_id: str, response_id: str) -> bool:
-        return bool(await self._redis.delete(key(tenant_id, response_id)))
+        return bool(await _reading(self._redis.delete(key(tenant_id, response_id))))
 
     async def history(self, tenant_id: str, response_id: str) -> list[dict[str, Any]]:
         """The chat messages that `previous_response_id` continues; 400 if it is not one

@@ -250,3 +250,37 @@ def test_an_in_band_error_ends_the_stream_with_response_failed():
     assert (
         events(limited.feed(sse(quota)))[-1]["response"]["error"]["code"] == "rate_limit_exceeded"
     )
+
+
+def test_an_unreachable_store_is_a_503_with_retry_after_never_a_500():
+    import asyncio
+    import socket
+
+    from redis.asyncio import Redis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    from gateway.serving.responses_store import ResponseStore
+
+    def free_port() -> int:  # nothing listens there once the socket is closed
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    async def attempt(call: str) -> ApiError:
+        redis = Redis.from_url(
+            f"redis://127.0.0.1:{free_port()}",
+            socket_connect_timeout=1,
+            retry=Retry(NoBackoff(), 0),
+        )
+        store = ResponseStore(redis, 60)
+        try:
+            with pytest.raises(ApiError) as refused:
+                await getattr(store, call)("t", "resp_1")
+        finally:
+            await redis.aclose()
+        return refused.value
+
+    for call in ("load", "delete", "history"):
+        err = asyncio.run(attempt(call))
+        assert (err.status, err.code, err.retry_after_s) == (503, "store_unavailable", 1.0)
