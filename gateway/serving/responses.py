@@ -141,8 +141,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     background: bool = False
 
 
-def check(req: ResponsesRequest) -> None:
-    """The declared fields whose values this server cannot honour: 400 naming each."""
+def check(req: ResponsesRequest, max_tokens_cap: int | None = None) -> None:
+    """The declared fields whose values this server cannot honour, or that contradict each
+    other: 400 naming each (in this API's names: the chat path would name its own)."""
     if req.background:
         raise ApiError(400, "background responses are not supported", param="background")
     if req.reasoning and any(v is not None for v in req.reasoning.values()):
@@ -158,8 +159,13 @@ def check(req: ResponsesRequest) -> None:
         )
     if req.metadata is not None and len(req.metadata) > 16:
         raise ApiError(400, "metadata holds at most 16 pairs", param="metadata")
-    if req.max_output_tokens is not None and req.max_output_tokens < 1:
-        raise ApiError(400, "max_output_tokens must be at least 1", param="max_output_tokens")
+    if req.max_output_tokens is not None and not (
+        1 <= req.max_output_tokens <= (max_tokens_cap or req.max_output_tokens)
+    ):
+        bound = f"between 1 and {max_tokens_cap}" if max_tokens_cap else "at least 1"
+        raise ApiError(400, f"max_output_tokens must be {bound}", param="max_output_tokens")
+    if not req.tools and req.tool_choice not in (None, "none", "auto"):
+        raise ApiError(400, "tool_choice needs tools", param="tool_choice")
     if not req.stream and req.stream_options is not None:
         raise ApiError(400, "stream_options needs `stream: true`", param="stream_options")
 

@@ -84,7 +84,7 @@ class _ResponsesEdge:
     async def chat_body(self, raw: bytes, tenant_id: str) -> bytes:
         check_raw(raw, self._gw.config)
         req = decode_request(raw, ResponsesRequest)
-        check(req)
+        check(req, self._gw.config.max_tokens_cap)
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             history = await _store(self._gw).history(tenant_id, req.previous_response_id)

@@ -101,11 +101,13 @@ def test_an_item_that_is_not_supported_is_a_400_naming_where(item, where):
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"max_output_tokens": 4097}, "max_output_tokens"),
+        ({"tool_choice": "required"}, "tool_choice"),
     ],
 )
 def test_declared_values_this_server_cannot_honour_are_a_400(fields, param):
     with pytest.raises(ApiError) as bad:
-        check(request(**fields))
+        check(request(**fields), max_tokens_cap=4096)
     assert bad.value.param == param
     check(request(reasoning={"effort": None}, include=[]))  # neutral values pass
 
