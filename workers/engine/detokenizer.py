@@ -63,6 +63,17 @@ class IncrementalDetokenizer:
                 self.text = self.text[:idx]
                 self.stop_hit = stop
 
+    def prime(self, output_token_ids: list[int], emitted_chars: int) -> None:
+        """Take output another replica generated (no stop strings checked: it did), of
+        whose text the first `emitted_chars` characters are already handed out."""
+        for token_id in output_token_ids:
+            self.push(token_id, check_stops=False)
+        if emitted_chars > len(self.text):
+            raise ValueError(
+                f"{emitted_chars} characters were handed out of a text of {len(self.text)}"
+            )
+        self._emitted = emitted_chars
+
     def delta(self, finished: bool) -> str:
         """Text not yet handed out; holds back a possible stop-string prefix until finished."""
         end = len(self.text)

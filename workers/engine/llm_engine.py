@@ -106,8 +106,17 @@ class LLMEngine:
         add_special_tokens: bool = True,
         grammar: GrammarSpec | None = None,
         guide: Guide | None = None,
+        resume_token_ids: Sequence[int] | None = None,
+        resume_text_chars: int = 0,
     ) -> Request:
         """Validate and tokenize a request. Touches no engine state, so any thread may call it.
+
+        `resume_token_ids`: the output another replica generated before it failed; the
+        request continues after it exactly as that one would have (prefilled as prompt plus
+        output, a seeded generator advanced past their draws, stop strings and `max_tokens`
+        counted over the whole output), and its text is not handed out again but for what
+        lies past the first `resume_text_chars` characters (the client has those; the rest
+        was held back by the other replica's detokenizer). Not with a grammar.
 
         A prompt rendered by the chat template already holds its special tokens (BOS
         included, where the template writes it): pass `add_special_tokens=False`.
@@ -146,6 +155,30 @@ class LLMEngine:
             if self.grammars is None:
                 raise InvalidRequestError("structured outputs need a tokenizer", grammar.param)
             guide = self.grammars.guide(grammar, tenant)
+        resumed = list(resume_token_ids or [])
+        if resumed:
+            if grammar is not None or guide is not None:
+                raise InvalidRequestError(
+                    "a resumed request cannot have structured output", "resume_token_ids"
+                )
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in resumed):
+                raise InvalidRequestError(
+                    f"resume token ids must be integers in [0, {vocab})", "resume_token_ids"
+                )
+            if len(resumed) >= params.max_tokens:
+                raise InvalidRequestError(
+                    "resume_token_ids must be fewer than max_tokens", "resume_token_ids"
+                )
+            if resume_text_chars < 0:
+                raise InvalidRequestError("resume_text_chars must be >= 0", "resume_text_chars")
+            if self.tokenizer is not None:  # the text handed out is a prefix of its text
+                probe = IncrementalDetokenizer(
+                    self.tokenizer.backend, ids, params.stop, params.skip_special_tokens
+                )
+                try:
+                    probe.prime(resumed, resume_text_chars)
+                except ValueError as exc:
+                    raise InvalidRequestError(str(exc), "resume_text_chars") from None
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(
             rid,
@@ -159,6 +192,10 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
         )
         request.guide = guide
+        if resumed:
+            request.output_token_ids = resumed
+            request.all_token_ids.extend(resumed)
+            request.resumed_chars = resume_text_chars
         return request
 
     def fork(self, parent: Request, request_id: str, seed: int | None) -> Request:
@@ -191,12 +228,15 @@ class LLMEngine:
             else:
                 self.scheduler.add(request)
             if self.tokenizer is not None:
-                self._detok[request.request_id] = IncrementalDetokenizer(
+                detok = IncrementalDetokenizer(
                     self.tokenizer.backend,
                     request.prompt_token_ids,
                     request.params.stop,
                     request.params.skip_special_tokens,
                 )
+                if request.num_output_tokens:  # resumed: its text so far, not handed out
+                    detok.prime(request.output_token_ids, request.resumed_chars)
+                self._detok[request.request_id] = detok
         except Exception as exc:
             return self._fail(request, exc, "add")
         return None

@@ -53,6 +53,7 @@ class Request:
         "first_scheduled_time",
         "guide",
         "fork_of",
+        "resumed_chars",
     )
 
     def __init__(
@@ -94,6 +95,9 @@ class Request:
         # n > 1: the id of the sample whose prompt KV this one reuses (held back until that
         # one's prefill is done, so the prompt's blocks come from the prefix cache).
         self.fork_of: str | None = None
+        # Resumed from another replica's output (`LLMEngine.make_request`): the characters
+        # of its text the client already has. Its output tokens are set before it is added.
+        self.resumed_chars = 0
 
     @property
     def num_tokens(self) -> int:

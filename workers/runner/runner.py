@@ -34,7 +34,7 @@ from workers.runner.plan import (
     plan_workspace_rows,
     uses_native_kernels,
 )
-from workers.runner.sampler import compute_logprobs, make_sampling_batch, sample
+from workers.runner.sampler import compute_logprobs, make_sampling_batch, sample, skip_draws
 
 if TYPE_CHECKING:
     from workers.tp.shard import RankShard
@@ -282,6 +282,10 @@ class ModelRunner:
         for req in samplers:
             if req.params.seed is not None and req.generator is None:
                 req.generator = torch.Generator(device=dev).manual_seed(req.params.seed)
+                if req.num_output_tokens and req.params.temperature > 0:
+                    # Resumed from another replica's output: past the draws its tokens took
+                    # (one row of noise per sampled token, as `sample` draws it).
+                    skip_draws(req.generator, req.num_output_tokens, logits.shape[-1], dev)
         sb = make_sampling_batch(samplers, dev)
         tokens = sample(logits, sb, self.model.ops.argmax_rows)
         token_list = tokens.tolist()

@@ -161,6 +161,17 @@ def sample(
     return torch.where(batch.temperature > 0, sampled, greedy_tokens)
 
 
+def skip_draws(
+    generator: torch.Generator, num_tokens: int, vocab: int, device: torch.device | str
+) -> None:
+    """Advance a request's generator past `num_tokens` sampled tokens' draws: the state it
+    would have had, had it sampled them (`sample` draws one row of `vocab` exponentials per
+    token from it)."""
+    row = torch.empty(vocab, dtype=torch.float32, device=device)
+    for _ in range(num_tokens):
+        row.exponential_(generator=generator)
+
+
 def compute_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, num_top: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
