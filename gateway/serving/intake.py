@@ -153,6 +153,10 @@ def key_quota_holder(tenant: Tenant, key_id: str, limits: TenantLimits) -> Tenan
     )
 
 
+# Worker fields only the gateway sends (gateway/serving/resume.py).
+GATEWAY_ONLY_FIELDS = ("resume_token_ids", "resume_text_chars", "return_token_ids")
+
+
 def decode(raw: bytes, chat: bool, cfg: GatewayConfig) -> PublicRequest:
     """The body as a typed request, or a 4xx naming what is wrong: size first, then nesting
     depth (before any parser recurses), then types, then bounds that need no model."""
@@ -162,6 +166,15 @@ def decode(raw: bytes, chat: bool, cfg: GatewayConfig) -> PublicRequest:
         )
     check_json_depth(raw, cfg.request_limits.max_json_depth)
     req = decode_request(raw, GatewayChatRequest if chat else GatewayCompletionRequest)
+    for name in GATEWAY_ONLY_FIELDS:
+        if getattr(req, name):
+            raise ApiError(
+                400,
+                f"`{name}` is set by the gateway (a stream resumed on another replica), "
+                "not by a client",
+                param=name,
+                code="unknown_field",
+            )
     check_request(req, cfg.request_limits, vocab_size=None, max_model_len=None)
     if req.switchyard_threshold is not None and not 0 <= req.switchyard_threshold <= 1:
         raise ApiError(

@@ -96,6 +96,14 @@ class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Token id -> bias added to its logit before sampling, in [-100, 100] (OpenAI's JSON
     # keys are strings of digits; msgspec decodes them as ints).
     logit_bias: dict[int, float] | None = None
+    # Resuming a stream another replica began and lost (the gateway's, never a client's:
+    # gateway/serving/resume.py): the output tokens it relayed, and how many characters of
+    # their text the client has; the stream then carries on from there (no role chunk, no
+    # text twice), its usage counting the whole output. `return_token_ids`: each stream
+    # chunk's choice carries the `token_ids` it brings, so a resume knows them.
+    resume_token_ids: list[int] | None = None
+    resume_text_chars: int = 0
+    return_token_ids: bool = False
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):

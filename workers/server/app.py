@@ -253,6 +253,7 @@ async def _submit(
     else:
         prompt = _completion_prompt(body.prompt)
     grammar = grammar_of(body, tools)
+    _check_resume(body, tools, grammar)
     # A schema the tenant has compiled is a look-up and a copy (microseconds); a new one
     # compiles off the event loop (milliseconds to a second), in the compiler's build lane.
     guide = e.grammars.cached(grammar, body.cache_salt) if grammar and e.grammars else None
@@ -263,9 +264,18 @@ async def _submit(
         e.fork(engine_req, f"{engine_req.request_id}-{i}", _sample_seed(params.seed, i))
         for i in range(1, body.n)
     ]
-    engine = service.admit(engine_req.num_prompt_tokens)
+    engine = service.admit(engine_req.num_tokens)  # a resumed one prefills its output too
     texts = service.token_texts()
-    builder = ResponseBuilder(engine_req.request_id, body.model, chat, texts, body.n, tools)
+    builder = ResponseBuilder(
+        engine_req.request_id,
+        body.model,
+        chat,
+        texts,
+        body.n,
+        tools,
+        resumed=bool(body.resume_token_ids),
+        token_ids=body.return_token_ids,
+    )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     headers = {"x-request-id": engine_req.request_id}
     if body.stream:
@@ -273,6 +283,23 @@ async def _submit(
         return EventStream(stream, headers={**headers, "cache-control": "no-cache"})
     result = await until_done_or_disconnect(request, collect(service, engine, reqs, builder))
     return Response(content=result, headers=headers, media_type="application/json")
+
+
+def _check_resume(body: Any, tools: Any, grammar: Any) -> None:
+    """A resume (`resume_token_ids`) continues one streamed sample of free text: what it
+    cannot continue exactly is refused, naming what it has."""
+    if not body.resume_token_ids and not body.resume_text_chars:
+        return
+    if not body.resume_token_ids:
+        raise ApiError(400, "resume_text_chars needs resume_token_ids", param="resume_text_chars")
+    for refused, what in (
+        (not body.stream, "a stream"),
+        (body.n != 1, "n = 1"),
+        (tools is not None, "no tools"),
+        (grammar is not None, "no response_format"),
+    ):
+        if refused:
+            raise ApiError(400, f"a resumed request must have {what}", param="resume_token_ids")
 
 
 def _completion_prompt(prompt: str | list[int | str]) -> str | list[int]:
@@ -335,5 +362,7 @@ def _make_engine_request(
         cache_salt=body.cache_salt,
         grammar=grammar,
         guide=guide,
+        resume_token_ids=body.resume_token_ids,
+        resume_text_chars=body.resume_text_chars,
         **kwargs,
     )

@@ -139,7 +139,12 @@ class ResponseBuilder:
         texts: TokenTexts,
         n: int = 1,
         tools: ToolPlan | None = None,
+        *,
+        resumed: bool = False,
+        token_ids: bool = False,
     ):
+        self.resumed = resumed  # continuing another replica's stream: no role chunk
+        self.token_ids = token_ids  # each chunk's choice names its token ids
         self.id = request_id
         self.model = model
         self.chat = chat
@@ -161,6 +166,8 @@ class ResponseBuilder:
             choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": finish}
             if finish is not None and out is not None and out.stop_reason is not None:
                 choice["stop_reason"] = out.stop_reason
+            if self.token_ids:
+                choice["token_ids"] = out.new_token_ids if out is not None else []
             return self._envelope("text_completion", [choice])
         delta: dict[str, Any] = {}
         calls: list[dict[str, Any]] = []
@@ -168,7 +175,7 @@ class ResponseBuilder:
             text, calls = self.tools[index].push(text)
             if out is not None and out.finished:
                 text += self.tools[index].flush()
-        if first:
+        if first and not self.resumed:
             delta["role"] = "assistant"
         if text or (first and not calls):
             delta["content"] = text
@@ -178,6 +185,8 @@ class ResponseBuilder:
         choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
         if finish is not None and out is not None and out.stop_reason is not None:
             choice["stop_reason"] = out.stop_reason  # as the whole answer's choice has it
+        if self.token_ids:
+            choice["token_ids"] = out.new_token_ids if out is not None else []
         return self._envelope("chat.completion.chunk", [choice])
 
     def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
