@@ -101,6 +101,9 @@ class GatewayConfig:
     sse_heartbeat_s: float = 5.0  # SSE comment while a stream waits; refusals before: real status
     first_byte_timeout_s: float = 10.0  # a streaming worker that sends no status by then is hung
     stream_idle_timeout_s: float = 30.0  # a stream silent this long (heartbeats count) is cut
+    # A stream whose Switchyard worker fails mid-answer goes on on another replica at the
+    # exact token, at most this many times (gateway/serving/resume.py); 0: it ends in-band.
+    stream_resumes: int = 2
     body_timeout_s: float = 10.0  # a request body must arrive within this (slow clients: 408)
     header_timeout_s: float = 10.0  # a connection must send its request head within this
     keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this

@@ -94,6 +94,7 @@ class Gateway:
         plan: Plan,
         pool: str | None = None,
         with_logprobs: bool = False,
+        token_ids: bool = False,
     ) -> bytes:
         """The body sent to `pool` (default: the plan's) for `req`: shaped for the pool's
         kind of server and named as it serves the model (`plan.upstream_body`)."""
@@ -106,6 +107,7 @@ class Gateway:
             with_logprobs=with_logprobs,
             kind=target.kind,
             model=target.upstream_model,
+            token_ids=token_ids,
         )
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> "asyncio.Task[Any]":

@@ -250,6 +250,13 @@ class GatewayMetrics:
             ["pool"],
             registry=registry,
         )
+        self.resumes = Counter(
+            P + "resumes",
+            "Streams that went on on another replica after theirs failed mid-answer "
+            "(reason: lost, the connection broke; idle, silent past the idle bound).",
+            ["pool", "reason"],
+            registry=registry,
+        )
         self.queue_wait = Histogram(
             P + "queue_wait_seconds",
             "Time from enqueue to dispatch.",

@@ -233,8 +233,12 @@ def _log_access(record: RequestRecord) -> None:
         "tokens": record.tokens,
         "latency_ms": latency_ms,
     }
+    resumed = ""
+    if record.resumes:  # its stream went on on another replica (serving/resume.py)
+        fields["resumes"] = record.resumes
+        resumed = f" resumes={record.resumes}"
     access_log.info(
-        "%s tenant=%s model=%s route=%s status=%d tokens=%d latency_ms=%d",
+        "%s tenant=%s model=%s route=%s status=%d tokens=%d latency_ms=%d%s",
         record.path,
         record.tenant,
         record.pool,
@@ -242,6 +246,7 @@ def _log_access(record: RequestRecord) -> None:
         record.status,
         record.tokens,
         latency_ms,
+        resumed,
         extra={"fields": fields},
     )
 

@@ -191,6 +191,7 @@ def upstream_body(
     with_logprobs: bool = False,
     kind: str = "switchyard",
     model: str | None = None,
+    token_ids: bool = False,
 ) -> bytes:
     """The JSON body sent to a worker of `pool` (default: the plan's): the tenant's request
     with the model set, the output budget explicit, usage always requested on streams, the
@@ -215,6 +216,8 @@ def upstream_body(
         changes["logprobs"] = 0
     if plan.stream:
         changes["stream_options"] = StreamOptions(include_usage=True)
+    if token_ids:  # a resumable stream (gateway/serving/resume.py): each chunk's token ids
+        changes["return_token_ids"] = True
     return msgspec.json.encode(msgspec.structs.replace(req, **changes))
 
 

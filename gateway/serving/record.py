@@ -25,6 +25,7 @@ class RequestRecord:
     status: int | None = None
     answered_at: float | None = None  # perf_counter when the answer began (a stream: committed)
     tokens: int = 0  # charged to the tenant, set at settlement
+    resumes: int = 0  # times its stream went on on another replica (gateway/serving/resume.py)
 
     def answer(self, status: int) -> None:
         """The answer begins with `status`."""

@@ -27,6 +27,7 @@ import msgspec
 
 from gateway.serving.flight import Attempt
 from gateway.serving.plan import Plan, billed, counts, note_usage
+from gateway.serving.resume import StreamLog
 from workers.api.client import UpstreamError, UpstreamResponse
 from workers.api.types import Usage, parse_chunk
 
@@ -84,8 +85,11 @@ async def relay(
     plan: Plan,
     idle_s: float,
     max_bytes: int,
+    log: StreamLog | None = None,
 ) -> AsyncIterator[bytes]:
     """Forward the upstream's SSE events, noting usage and progress in `attempt.served`.
+    `log`: a resumable stream's (`gateway.serving.resume`): output chunks' token ids are
+    kept there and cut out, and a continuation's events renamed to the first stream's id.
 
     Ends after `[DONE]` or an error event. Raises UpstreamError when the worker dies
     mid-stream or sends more than `max_bytes`, StreamTimeout when it goes silent or the
@@ -133,9 +137,13 @@ async def relay(
                 out.append(DONE)
                 finished = True
                 break
+            if log is not None and log.rename is not None:
+                data = log.renamed(data)
             if _DECODE_IF[0] not in data and _DECODE_IF[1] not in data:
                 if _OUTPUT_CHUNK in data and not (_ROLE in data and _announces_only(data)):
                     served.tokens_relayed += 1
+                if log is not None and _OUTPUT_CHUNK in data:
+                    data = log.output(data)
                 out.append(b"data: " + data + b"\n\n")
                 continue
             chunk = parse_chunk(data)
