@@ -38,18 +38,14 @@ def _run(engine: LLMEngine, params: SamplingParams, **kwargs) -> list:
     ],
     ids=["greedy", "seeded"],
 )
-def test_a_resumed_request_continues_token_for_token_and_character_for_character(
-    engine, params
-):
+def test_a_resumed_request_continues_token_for_token_and_character_for_character(engine, params):
     whole = _run(engine, params)
     ids = [t for o in whole for t in o.new_token_ids]
     text = "".join(o.new_text for o in whole)
     assert len(ids) == N
     for cut in (1, 9, N - 1):
         handed_out = "".join(o.new_text for o in whole[:cut])  # what the client had
-        rest = _run(
-            engine, params, resume_token_ids=ids[:cut], resume_text_chars=len(handed_out)
-        )
+        rest = _run(engine, params, resume_token_ids=ids[:cut], resume_text_chars=len(handed_out))
         assert [t for o in rest for t in o.new_token_ids] == ids[cut:]
         assert handed_out + "".join(o.new_text for o in rest) == text
         assert rest[-1].num_output_tokens == N and rest[-1].finished
