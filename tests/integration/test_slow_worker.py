@@ -84,7 +84,13 @@ def test_a_slowed_worker_stays_ready_and_the_capacity_estimate_drops(
             # Measured step and the predicted TTFT of a typical request, before the hogs.
             before_step = rises(lambda: worker("step_s"), 0.0, "the worker's measured step")
             before_ttft = rises(ttft, 0.0, "a predicted TTFT")
-            hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(core)]) for _ in range(3)]
+            # Each hog in a session of its own: with the kernel's autogroups (one per
+            # session, as the worker's own), hogs sharing one session would take only half
+            # of the core between them; three sessions take three quarters.
+            hogs = [
+                subprocess.Popen([sys.executable, "-c", HOG, str(core)], start_new_session=True)
+                for _ in range(3)
+            ]
             rises(lambda: worker("step_s"), 1.5 * before_step, "the measured step to grow")
             rises(ttft, 1.3 * before_ttft, "the predicted TTFT to grow")
         finally:
