@@ -1,4 +1,4 @@
-"""`switchyard bench engine | worker | gateway | foreign | upstream | autoscale | slo |
+"""`switchyard bench engine | worker | gateway | foreign | upstream | autoscale | slo | resume |
 dtype`: measured comparisons."""
 
 import argparse
@@ -203,6 +203,36 @@ def _cmd_dtype(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_resume(args: argparse.Namespace) -> int:
+    from benchmarks.resume_bench import ResumeBenchOptions, run_resume_bench
+    from cli.commands.models import cache_dir
+    from workers.errors import ModelFetchError
+    from workers.models.fetch import fetch_model
+    from workers.models.registry import default_model, find_model
+
+    if args.model_dir:
+        model_dir = Path(args.model_dir)
+    else:
+        try:
+            model = find_model(args.model) if args.model else default_model()
+            model_dir = fetch_model(model, cache_dir(None)).path
+        except ModelFetchError as exc:
+            print(f"error: --model {args.model}: {exc}", file=sys.stderr)
+            return 2
+    data = run_resume_bench(
+        ResumeBenchOptions(
+            Path(args.out),
+            model_dir,
+            kills=args.kills,
+            max_tokens=args.max_tokens,
+            max_cut=args.max_cut,
+            seed=args.seed,
+        )
+    )
+    print(Path(args.out, "resume.md").read_text())
+    return 0 if data["texts_not_identical"] == 0 else 1
+
+
 # The bench target (`args.target`) -> its handler.
 ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
     "engine": _cmd_engine,
@@ -213,6 +243,7 @@ ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
     "autoscale": _cmd_autoscale,
     "dtype": _cmd_dtype,
     "slo": _cmd_slo,
+    "resume": _cmd_resume,
 }
 
 
@@ -327,6 +358,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the small pool's checkpoint dir (None: the default model, fetched once)",
     )
     bf.add_argument("--seed", type=int, default=0, help="the mixed load's random seed")
+    br = bench.add_parser(
+        "resume",
+        help="SIGKILL the worker of a stream mid-answer, N times: the time to the client's "
+        "next token against an unloaded resume's TTFT, and the text against the "
+        "uninterrupted answer's",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    br.add_argument("--out", default="bench-results", help="where JSON and markdown go")
+    br.add_argument("--kills", type=int, default=20, help="streams killed")
+    br.add_argument("--max-tokens", type=int, default=80, help="tokens of each stream")
+    br.add_argument("--max-cut", type=int, default=40, help="kill after 4 to this many tokens")
+    br.add_argument("--model", default=None, help="a known model (default: the default model)")
+    br.add_argument("--model-dir", default=None, help="a local checkpoint instead")
+    br.add_argument("--seed", type=int, default=0, help="the cuts' random seed")
     bu = bench.add_parser("upstream", help="upstream HTTP clients' CPU per request, side by side")
     bu.add_argument("--out", default="bench-results", help="where JSON and markdown go")
     bu.add_argument("--requests", type=int, default=4000, help="requests per client and mode")
