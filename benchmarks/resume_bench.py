@@ -3,7 +3,8 @@
 Two `switchyard worker` processes of one model behind a `switchyard gateway` process. Each
 round streams a greedy answer through the gateway and SIGKILLs the worker serving it after
 `k` tokens (k drawn from 4..`max_cut`); the gateway resumes the stream on the other
-replica. Measured: the time from the kill to the next token the client reads. Against it,
+replica. Measured: the client's stall, the longest wait for a token from the kill on (the
+tokens the dead worker had already sent arrive first, from buffers). Against it,
 the unloaded TTFT of the same prompt plus the same `k` tokens of output, as a resume
 prefills them, on a replica whose prefix cache has never seen them (the killed one,
 restarted): the issue's target is a kill-to-next-token p50/p99 within 2x of that. Every
@@ -104,8 +105,11 @@ def _killed_stream(
     gateway: str, key: str, body: dict, cut: int, workers: _Workers
 ) -> tuple[str, float, str]:
     """Stream through the gateway, SIGKILL its worker after `cut` tokens: the text, the
-    seconds from the kill to the next token, and the killed worker's URL."""
-    text, n, killed_at, gap, victim = "", 0, 0.0, float("nan"), ""
+    client's stall (the longest wait for a token from the kill on: tokens the dead worker
+    had sent arrive first, then the gap while the stream moves, then the continuation's),
+    and the killed worker's URL."""
+    text, n, killed_at, victim = "", 0, 0.0, ""
+    arrivals: list[float] = []
     headers = {"authorization": f"Bearer {key}"}
     with httpx.stream(
         "POST", f"{gateway}/v1/chat/completions", json=body, headers=headers, timeout=120
@@ -118,8 +122,8 @@ def _killed_stream(
                 raise RuntimeError(f"the stream failed: {chunk['error']}")
             for choice in chunk.get("choices") or []:
                 content = choice["delta"].get("content") or ""
-                if killed_at and content and gap != gap:  # the first token after the kill
-                    gap = time.monotonic() - killed_at
+                if killed_at:
+                    arrivals.append(time.monotonic())
                 text += content
                 n += 1
                 if n == cut:
@@ -128,7 +132,11 @@ def _killed_stream(
                         raise RuntimeError("no worker was running the stream")
                     killed_at = time.monotonic()
                     os.kill(workers.procs[victim].pid, signal.SIGKILL)
-    return text, gap, victim
+    if not killed_at or not arrivals:
+        raise RuntimeError("the stream ended before its worker was killed")
+    times = [killed_at, *arrivals]
+    stall = max(b - a for a, b in zip(times, times[1:], strict=False))
+    return text, stall, victim
 
 
 def _token_ids(worker: str, body: dict) -> tuple[list[int], list[str]]:
@@ -190,8 +198,8 @@ def run_resume_bench(opts: ResumeBenchOptions) -> dict:
                     refs.append(_resume_ttft(victim, body, ids, texts, cut))
                     gaps.append(gap)
                     print(
-                        f"  kill {round_ + 1}/{opts.kills}: after {cut} tokens, next token "
-                        f"{gap * 1e3:.0f} ms later (unloaded resume TTFT {refs[-1] * 1e3:.0f} ms)",
+                        f"  kill {round_ + 1}/{opts.kills}: after {cut} tokens, a stall of "
+                        f"{gap * 1e3:.0f} ms (unloaded resume TTFT {refs[-1] * 1e3:.0f} ms)",
                         flush=True,
                     )
         finally:
@@ -202,7 +210,7 @@ def run_resume_bench(opts: ResumeBenchOptions) -> dict:
         "model": str(opts.model_dir),
         "max_tokens": opts.max_tokens,
         "texts_not_identical": mismatches,
-        "kill_to_next_token_ms": {
+        "stall_after_kill_ms": {
             "p50": statistics.median(gaps) * 1e3,
             "p99": _percentile(gaps, 0.99) * 1e3,
         },
@@ -212,22 +220,23 @@ def run_resume_bench(opts: ResumeBenchOptions) -> dict:
         },
         "elapsed_s": time.perf_counter() - t_start,
     }
-    ratio_p50 = data["kill_to_next_token_ms"]["p50"] / data["unloaded_resume_ttft_ms"]["p50"]
-    ratio_p99 = data["kill_to_next_token_ms"]["p99"] / data["unloaded_resume_ttft_ms"]["p99"]
+    ratio_p50 = data["stall_after_kill_ms"]["p50"] / data["unloaded_resume_ttft_ms"]["p50"]
+    ratio_p99 = data["stall_after_kill_ms"]["p99"] / data["unloaded_resume_ttft_ms"]["p99"]
     data["ratio_p50"], data["ratio_p99"] = ratio_p50, ratio_p99
     met = ratio_p50 <= 2 and ratio_p99 <= 2 and mismatches == 0
     lines = [
         f"# Streams resumed after a SIGKILL ({opts.kills} kills)",
         "",
         f"Model `{opts.model_dir.name}`, greedy, {opts.max_tokens} tokens, killed after 4 to "
-        f"{opts.max_cut} tokens; the reference is a resume of the same prompt and tokens on a "
+        f"{opts.max_cut} tokens. The stall is the client's longest wait for a token from the "
+        "kill on; the reference is a resume of the same prompt and tokens on a "
         "cold replica, unloaded.",
         "",
         "| figure | p50 ms | p99 ms |",
         "|---|---|---|",
-        "| kill to the client's next token | "
-        f"{data['kill_to_next_token_ms']['p50']:.0f} | "
-        f"{data['kill_to_next_token_ms']['p99']:.0f} |",
+        "| the client's stall after the kill | "
+        f"{data['stall_after_kill_ms']['p50']:.0f} | "
+        f"{data['stall_after_kill_ms']['p99']:.0f} |",
         "| unloaded TTFT of prompt + prefix | "
         f"{data['unloaded_resume_ttft_ms']['p50']:.0f} | "
         f"{data['unloaded_resume_ttft_ms']['p99']:.0f} |",
@@ -235,7 +244,7 @@ def run_resume_bench(opts: ResumeBenchOptions) -> dict:
         "",
         f"Texts not identical to the uninterrupted answer: {mismatches} of {opts.kills}.",
         "",
-        f"Target (kill to next token <= 2x the unloaded TTFT, p50 and p99; every text "
+        f"Target (the stall <= 2x the unloaded TTFT, p50 and p99; every text "
         f"identical): {'met' if met else 'NOT met'}",
     ]
     write_report(opts.out_dir, "resume", data, "\n".join(lines))
