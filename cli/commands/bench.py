@@ -239,11 +239,11 @@ ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
     "worker": _cmd_worker,
     "gateway": _cmd_gateway,
     "foreign": _cmd_foreign,
+    "resume": _cmd_resume,
     "upstream": _cmd_upstream,
     "autoscale": _cmd_autoscale,
     "dtype": _cmd_dtype,
     "slo": _cmd_slo,
-    "resume": _cmd_resume,
 }
 
 
