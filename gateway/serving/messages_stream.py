@@ -13,6 +13,7 @@ the usage chunk the request asked for) and `message_stop`. An in-band error beco
 import json
 from typing import Any
 
+from gateway.serving.chat_events import ChatEvents
 from gateway.serving.messages import (
     error_body,
     error_type,
@@ -27,12 +28,11 @@ def sse_event(name: str, data: dict[str, Any]) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + json.dumps(data).encode() + b"\n\n"
 
 
-class MessagesStream:
+class MessagesStream(ChatEvents):
     """The translation of one stream. `feed(bytes)` returns the Anthropic events those
     bytes complete (an event split across writes waits for its end)."""
 
     __slots__ = (
-        "_buffer",
         "_started",
         "_block",
         "_index",
@@ -40,11 +40,11 @@ class MessagesStream:
         "_finish",
         "_matched",
         "_usage",
-        "ended",
+        "_ended",
     )
 
     def __init__(self) -> None:
-        self._buffer = b""
+        super().__init__()
         self._started = False
         self._block: str | None = None  # the open block's type; None: none open
         self._index = -1  # the open (or last) block's index
@@ -52,32 +52,16 @@ class MessagesStream:
         self._finish: str | None = None
         self._matched: Any = None  # the stop string that ended it, when the chunk names one
         self._usage: dict[str, Any] | None = None
-        self.ended = False  # [DONE] or an error was translated: nothing more is sent
+        self._ended = False  # [DONE] or an error was translated: nothing more is sent
 
-    def feed(self, data: bytes) -> bytes:
-        self._buffer += data
-        out: list[bytes] = []
-        while not self.ended and b"\n\n" in self._buffer:
-            raw, self._buffer = self._buffer.split(b"\n\n", 1)
-            for line in raw.split(b"\n"):
-                if line.startswith(b"data:"):
-                    out.extend(self.event(line[5:].strip()))
-        return b"".join(out)
+    @property
+    def ended(self) -> bool:
+        return self._ended
 
-    def event(self, payload: bytes) -> list[bytes]:
-        """The Anthropic events for one chat `data:` payload."""
-        if self.ended:
-            return []
-        if payload == b"[DONE]":
-            return self._end()
-        try:
-            chunk = json.loads(payload)
-        except ValueError:
-            return []
-        if not isinstance(chunk, dict):
-            return []
+    def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+        """The Anthropic events for one chat chunk."""
         if chunk.get("error") is not None:
-            self.ended = True
+            self._ended = True
             info = chunk["error"] if isinstance(chunk["error"], dict) else {}
             kind = error_type(0, info.get("type"), info.get("code"))
             return [sse_event("error", error_body(kind, str(info.get("message", "error"))))]
@@ -152,10 +136,10 @@ class MessagesStream:
             )
         return out
 
-    def _end(self) -> list[bytes]:
+    def done(self) -> list[bytes]:
         out = self._start({})
         out.extend(self._close())
-        self.ended = True
+        self._ended = True
         delta = {
             "type": "message_delta",
             "delta": {

@@ -17,6 +17,7 @@ Every event carries its `sequence_number`, counted from 0."""
 import json
 from typing import Any
 
+from gateway.serving.chat_events import ChatEvents
 from gateway.serving.responses import (
     ResponsesRequest,
     call_item,
@@ -29,7 +30,7 @@ from gateway.serving.responses import (
 )
 
 
-class ResponsesStream:
+class ResponsesStream(ChatEvents):
     """The translation of one stream. `feed(bytes)` returns the events those bytes
     complete (an event split across writes waits for its end). `response` is the final
     response object once the stream has ended (completed, incomplete or failed)."""
@@ -38,7 +39,6 @@ class ResponsesStream:
         "_req",
         "_id",
         "_created_at",
-        "_buffer",
         "_seq",
         "_model",
         "_started",
@@ -51,8 +51,8 @@ class ResponsesStream:
     )
 
     def __init__(self, req: ResponsesRequest, response_id: str, created_at: int) -> None:
+        super().__init__()
         self._req, self._id, self._created_at = req, response_id, created_at
-        self._buffer = b""
         self._seq = 0
         self._model = req.model
         self._started = False
@@ -67,28 +67,8 @@ class ResponsesStream:
     def ended(self) -> bool:
         return self.response is not None
 
-    def feed(self, data: bytes) -> bytes:
-        self._buffer += data
-        out: list[bytes] = []
-        while not self.ended and b"\n\n" in self._buffer:
-            raw, self._buffer = self._buffer.split(b"\n\n", 1)
-            for line in raw.split(b"\n"):
-                if line.startswith(b"data:"):
-                    out.extend(self.event(line[5:].strip()))
-        return b"".join(out)
-
-    def event(self, payload: bytes) -> list[bytes]:
-        """The Responses events for one chat `data:` payload."""
-        if self.ended:
-            return []
-        if payload == b"[DONE]":
-            return self._end()
-        try:
-            chunk = json.loads(payload)
-        except ValueError:
-            return []
-        if not isinstance(chunk, dict):
-            return []
+    def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+        """The Responses events for one chat chunk."""
         if chunk.get("model"):
             self._model = chunk["model"]
         out = self._start()
@@ -236,7 +216,7 @@ class ResponsesStream:
             )
         return out
 
-    def _end(self) -> list[bytes]:
+    def done(self) -> list[bytes]:
         status, incomplete = status_of(self._finish)
         out = self._start()
         out.extend(self._close("completed" if status == "completed" else "incomplete"))
