@@ -45,7 +45,17 @@ async def open_attempt(
     if gw.metrics is not None:
         gw.metrics.queue_wait.labels(attempt.lease.pool.name).observe(time.monotonic() - queued)
     attempt.sent_at = time.monotonic()
-    upstream = await send_attempt(
+    upstream = await dispatch(gw, flight, attempt, body, stream)
+    flight.track(attempt, upstream)
+    return upstream
+
+
+async def dispatch(
+    gw: Gateway, flight: Flight, attempt: Attempt, body: bytes, stream: bool
+) -> UpstreamResponse:
+    """Send `body` on the attempt's lease, with the gateway's retries across replicas (a
+    lease that holds a failed worker's slot moves to one not tried yet)."""
+    return await send_attempt(
         gw.workers,
         attempt.lease,
         path_of(flight.plan),
@@ -56,8 +66,6 @@ async def open_attempt(
         rng=gw.rng,
         lost_after_s=gw.config.worker_lost_after_s,
     )
-    flight.track(attempt, upstream)
-    return upstream
 
 
 async def read_answer(upstream: UpstreamResponse, plan: Plan, max_bytes: int) -> bytes:

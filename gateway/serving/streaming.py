@@ -17,13 +17,12 @@ from gateway.gateway import Gateway
 from gateway.serving.attempts import (
     MAX_ERROR_BYTES,
     answer_bytes,
+    dispatch,
     open_attempt,
-    path_of,
     read_answer,
     refusal_error,
     relayed_error,
 )
-from gateway.serving.dispatch import send_attempt
 from gateway.serving.flight import Attempt, Flight
 from gateway.serving.plan import charge
 from gateway.serving.relay import DONE, StreamAborted, StreamTimeout, relay
@@ -226,17 +225,7 @@ async def _resume(
         failed.close()  # a stalled worker that wakes up aborts: nothing of it is relayed
     body = continuation(resume.body, log, flight.plan.chat)
     try:
-        upstream = await send_attempt(
-            gw.workers,
-            lease,
-            path_of(flight.plan),
-            body,
-            stream=True,
-            attempts=gw.config.dispatch_attempts,
-            retry_cap_s=gw.config.worker_retry_after_cap_s,
-            rng=gw.rng,
-            lost_after_s=gw.config.worker_lost_after_s,
-        )
+        upstream = await dispatch(gw, flight, attempt, body, stream=True)
     except Exception as err:  # refused everywhere, no replica, the deadline: not resumed
         logger.warning("stream of %s could not be resumed: %r", flight.plan.request_id, err)
         return None
