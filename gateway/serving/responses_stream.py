@@ -163,17 +163,15 @@ class ResponsesStream(ChatEvents):
         item = self._open
         if item is None or item["type"] != "message":
             item = message_item(new_id("msg"), "", [], "in_progress")
-            out = self._add({**item, "content": []})
-            item = self._open
-            assert item is not None
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            part = item["content"].pop()  # announced on its own, after the item
+            out = self._add(item)
             out.append(
                 self._emit(
                     "response.content_part.added",
                     item_id=item["id"],
                     output_index=len(self._output) - 1,
                     content_index=0,
-                    part=dict(part),
+                    part=part,
                 )
             )
             item["content"].append(part)

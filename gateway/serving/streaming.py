@@ -240,10 +240,9 @@ async def _resume(
         upstream.close()
         return None
     new_id = upstream.headers.get("x-request-id")
-    if first_id and new_id and log.rename is None:
-        log.rename = (quoted(new_id), quoted(first_id))
-    elif new_id and log.rename is not None:
-        log.rename = (quoted(new_id), log.rename[1])
+    first = log.rename[1] if log.rename is not None else quoted(first_id) if first_id else None
+    if new_id and first:  # its chunks go out under the first stream's id
+        log.rename = (quoted(new_id), first)
     if gw.metrics is not None:
         gw.metrics.resumes.labels(lease.pool.name, reason).inc()
     return upstream
