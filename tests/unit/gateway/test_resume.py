@@ -4,34 +4,17 @@ continuation's body and the renaming of its chunks."""
 
 import json
 
-import msgspec
 import pytest
 
-from gateway.serving.plan import GatewayChatRequest, GatewayCompletionRequest, Plan
+from gateway.serving.plan import Plan
 from gateway.serving.resume import StreamLog, continuation, quoted, resumable
+from tests.unit.gateway.test_plan import chat, completion
+from tests.unit.gateway.test_plan import plan as base_plan
 
 
 def plan(**fields) -> Plan:
-    base = dict(
-        request_id="r",
-        tenant_id="t",
-        pool="small",
-        route="forced",
-        chat=True,
-        stream=True,
-        wants_usage=False,
-        client_logprobs=False,
-        prompt_tokens=5,
-        max_tokens=10,
-        deadline=0.0,
-        affinity=None,
-    )
-    return Plan(**{**base, **fields})
-
-
-def chat(**fields) -> GatewayChatRequest:
-    body = {"model": "small", "messages": [{"role": "user", "content": "hi"}], **fields}
-    return msgspec.convert(body, GatewayChatRequest)
+    """A streamed chat request's plan."""
+    return base_plan(**{"chat": True, "stream": True, **fields})
 
 
 @pytest.mark.parametrize(
@@ -58,7 +41,7 @@ def chat(**fields) -> GatewayChatRequest:
         ),
         (chat(response_format={"type": "json_object"}), plan(), "switchyard", 2, "response_format"),
         (
-            msgspec.convert({"model": "small", "prompt": "hi"}, GatewayCompletionRequest),
+            completion(),
             plan(chat=False),
             "switchyard",
             2,
