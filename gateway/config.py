@@ -65,6 +65,10 @@ class GatewayConfig:
     # its latest start passes. A pool not named here: counts and deadlines only. The ITL
     # target is the workers' (engine.scheduler.itl_target_s bounds their batch).
     ttft_target_s: dict[str, float] = field(default_factory=dict)
+    # The share of each TTFT target admission keeps back for what its prediction leaves
+    # out (clients, relays and the gateway sharing cores in a burst): a request is accepted
+    # only when predicted within target x (1 - ttft_headroom).
+    ttft_headroom: float = 0.1
     # A request's `priority` (lower is more urgent) scales its pool's TTFT target; one
     # outside these takes the nearest. A tenant may ask no more urgency than its limits'
     # `priority_ceiling` (default 0).

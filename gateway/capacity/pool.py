@@ -56,6 +56,7 @@ class Pool:
         upstream_headers: dict[str, str] | None = None,
         foreign_probe_interval_s: float = 1.0,
         tokens_per_minute: int | None = None,
+        ttft_headroom: float = 0.0,
     ) -> None:
         self.name = name
         # Sent with every request to a member (the upstream's API key); never logged.
@@ -83,6 +84,9 @@ class Pool:
         # Admission against the target (`admit`); None: counts and deadlines only.
         self.ttft_target_s = ttft_target_s
         self.priority_ttft_scale = priority_ttft_scale or {0: 1.0}
+        # The share of each target admission keeps back for what no model predicts (a
+        # burst's clients and relays sharing the cores): it aims at target x (1 - this).
+        self.ttft_headroom = ttft_headroom
         # This gateway process's share of each replica's seats (1/N of a group of N).
         self.seat_share = seat_share
         # How long a replica takes from joining to ready, until one was measured.
@@ -297,10 +301,14 @@ class Pool:
         if self.provider is not None and url in self.views:
             self.provider.note_answer(status, headers)
 
+    def _aim_s(self, target_s: float) -> float:
+        """What admission aims a prediction at for `target_s`: the target less its headroom."""
+        return target_s * (1.0 - self.ttft_headroom)
+
     def _admit_by_target(self, ticket: Ticket) -> None:
-        target_s = ticket.ttft_target_s
-        if not math.isfinite(target_s):
+        if not math.isfinite(ticket.ttft_target_s):
             return
+        target_s = self._aim_s(ticket.ttft_target_s)
         prediction = self.predict(ticket)
         self.last_prediction = prediction
         arrived = ticket.enqueued_at if ticket.arrived_at is None else ticket.arrived_at
@@ -310,7 +318,10 @@ class Pool:
             cfg = self.queue_config
             wait = retry_after_s(prediction, target_s - spent, cfg.retry_after_s, 30.0)
             wait += self.queue.jitter()
-            raise OverCapacity(self.name, spent + prediction.ttft_s, target_s, wait)
+            raise OverCapacity(
+                self.name, spent + prediction.ttft_s, ticket.ttft_target_s, wait,
+                self.ttft_headroom,
+            )  # fmt: skip
         if prediction.known:
             ticket.predicted_ttft_s = ticket.enqueued_at - arrived + prediction.ttft_s
         own = prediction.first_token_s + max(0.0, self.ttft_bias_s) if prediction.known else 0.0
@@ -327,7 +338,7 @@ class Pool:
         probe = Ticket("probe", tenant_id, prompt_tokens + max_tokens, self.clock(), math.inf,
                        prompt_tokens=prompt_tokens, max_tokens=max_tokens)  # fmt: skip
         prediction = self.predict(probe)
-        return prediction.known and prediction.ttft_s > target
+        return prediction.known and prediction.ttft_s > self._aim_s(target)
 
     def count_refusal(self, error: Exception) -> None:
         """A request refused before any token (by the Lease), counted by reason."""

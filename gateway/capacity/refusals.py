@@ -34,10 +34,16 @@ class OverCapacity(Exception):
     """The pool cannot give this request its first token within its TTFT target now:
     refused at arrival (`predicted_s`: the predicted TTFT; the capacity model,
     `gateway.capacity.predictor`), or while it waited (its latest start passed:
-    `predicted_s` is None). The client may retry after `retry_after_s`."""
+    `predicted_s` is None). The client may retry after `retry_after_s`. `headroom`: the
+    share of the target admission kept back (`Pool.ttft_headroom`)."""
 
     def __init__(
-        self, pool: str, predicted_s: float | None, target_s: float, retry_after_s: float
+        self,
+        pool: str,
+        predicted_s: float | None,
+        target_s: float,
+        retry_after_s: float,
+        headroom: float = 0.0,
     ) -> None:
         if predicted_s is None:
             why = "it could not start in time to meet"
@@ -45,7 +51,10 @@ class OverCapacity(Exception):
             why = f"its first token is predicted after {predicted_s:.2f} s, past"
         else:
             why = "no replica can take it within"
-        super().__init__(f"{pool} is over capacity: {why} the TTFT target of {target_s:.2f} s")
+        target = f"the TTFT target of {target_s:.2f} s"
+        if headroom:
+            target = f"{target_s * (1 - headroom):.2f} s ({target} less {headroom:.0%} headroom)"
+        super().__init__(f"{pool} is over capacity: {why} {target}")
         self.pool = pool
         self.predicted_s = predicted_s
         self.target_s = target_s

@@ -71,6 +71,8 @@ def build_gateway(
         retry_after_jitter_s=config.retry_after_jitter_s,
     )
     check_upstreams(config)
+    if not 0.0 <= config.ttft_headroom < 1.0:
+        raise ValueError(f"ttft_headroom must be in [0, 1), got {config.ttft_headroom}")
     pools = {}
     for name, urls in config.pools.items():
         up = config.upstreams.get(name) or UpstreamConfig()
@@ -95,6 +97,7 @@ def build_gateway(
             upstream_headers=upstream_headers(name, up),
             foreign_probe_interval_s=config.foreign_probe_interval_s,
             tokens_per_minute=up.tokens_per_minute,
+            ttft_headroom=config.ttft_headroom,
         )
         if up.kind != "switchyard":
             log.info(

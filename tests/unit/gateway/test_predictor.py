@@ -72,10 +72,16 @@ class Clock:
         return self.now
 
 
-def pool_with(*views: WorkerView, target: float | None = 2.0, clock: Clock | None = None) -> Pool:
+def pool_with(
+    *views: WorkerView,
+    target: float | None = 2.0,
+    clock: Clock | None = None,
+    headroom: float = 0.0,
+) -> Pool:
     pool = Pool(
         "small", [], None, QueueConfig(), 32, clock=clock or Clock(),  # type: ignore[arg-type]
         ttft_target_s=target, priority_ttft_scale={-1: 0.5, 0: 1.0, 2: 4.0},
+        ttft_headroom=headroom,
     )  # fmt: skip
     for v in views:
         pool.views[v.url] = v
@@ -227,6 +233,27 @@ def test_the_target_counts_from_arrival_and_the_measured_error_is_added() -> Non
     clock.now = 100.0
     with pytest.raises(OverCapacity):
         pool.admit(ticket("after-learning"))  # 1.65 + 0.5 s of measured error > 2 s
+
+
+def test_the_headroom_keeps_a_share_of_the_target_back() -> None:
+    """With 10% headroom a request predicted at 1.85 s of a 2 s target is refused (it aims
+    at 1.8 s), its refusal still names the 2 s target, and one queued must start early
+    enough to meet 1.8 s; the cascade's `would_miss` answers the same."""
+    running = (34,)  # 1.7 s until the seat frees, + 0.1 s prefill + 0.05 s first step
+    assert pool_with(ready("http://a", 1, running=running)).admit(ticket("no-headroom")) is None
+    pool = pool_with(ready("http://a", 1, running=running), headroom=0.1)
+    with pytest.raises(OverCapacity) as refused:
+        pool.admit(ticket("late"))
+    assert refused.value.predicted_s == pytest.approx(1.85)
+    assert refused.value.target_s == pytest.approx(2.0)
+    assert "after 1.85 s, past 1.80 s (the TTFT target of 2.00 s less 10% headroom)" in str(
+        refused.value
+    )
+    assert pool.would_miss("t", 100, 100, priority=0)
+    on_time = ticket("on-time", prompt=10)  # 1.7 + 0.01 + 0.05 s: within 1.8 s
+    pool.admit(on_time)
+    assert on_time.start_by == pytest.approx(100.0 + 1.8 - 0.06)
+    assert not pool.would_miss("t", 10, 100, priority=0)
 
 
 def test_requests_sent_since_the_last_report_count_by_their_own_size() -> None:
