@@ -253,7 +253,8 @@ class GatewayMetrics:
         self.resumes = Counter(
             P + "resumes",
             "Streams that went on on another replica after theirs failed mid-answer "
-            "(reason: lost, the connection broke; idle, silent past the idle bound).",
+            "(reason: lost, the connection broke; idle, silent past the idle bound; drain, "
+            "its worker handed it over once its drain's grace was over).",
             ["pool", "reason"],
             registry=registry,
         )

@@ -50,6 +50,14 @@ class StreamAborted(Exception):
     """The gateway cut the stream (its flight was aborted: shutdown)."""
 
 
+class StreamHandedOver(UpstreamError):
+    """A draining worker handed a resumable stream over (its `handed_over` event): it is
+    to go on on another replica, never reach the client as an error."""
+
+
+HANDED_OVER = "handed_over"  # the worker's error code for it (workers/server/responses.py)
+
+
 async def _next(
     it: AsyncIterator[bytes], attempt: Attempt, deadline: float, idle_s: float
 ) -> bytes | None:
@@ -92,7 +100,8 @@ async def relay(
     kept there and cut out, and a continuation's events renamed to the first stream's id.
 
     Ends after `[DONE]` or an error event. Raises UpstreamError when the worker dies
-    mid-stream or sends more than `max_bytes`, StreamTimeout when it goes silent or the
+    mid-stream or sends more than `max_bytes` (StreamHandedOver when, draining, it hands a
+    resumable stream over), StreamTimeout when it goes silent or the
     request's deadline passes, StreamAborted when the gateway cuts it; the caller reports
     those in-band.
     """
@@ -161,6 +170,10 @@ async def relay(
                     else:
                         data = _as_billed(data, chunk.usage, plan, attempt)
                 if chunk.error is not None:
+                    if log is not None and chunk.error.code == HANDED_OVER:
+                        if out:
+                            yield b"".join(out)
+                        raise StreamHandedOver(chunk.error.message)
                     out.append(b"data: " + data + b"\n\n" + DONE)
                     finished = True
                     break

@@ -12,21 +12,24 @@ generator past their draws, and streams on with no role chunk and nothing twice.
 chunks are relayed under the first stream's id, and its usage counts the whole output,
 so the client sees one stream, one usage and one charge.
 
-What is resumed: one streamed sample (`n` 1) of free text, on a pool of Switchyard
-workers, at most `GatewayConfig.stream_resumes` times, while the request's deadline has
-not passed. Tools and structured outputs (whose parsers and grammars would have to go on
-from the middle), `n` > 1 and foreign kinds (which take no forced prefix) are not: they end
-with today's in-band error, charged what was relayed."""
+What is resumed: one streamed sample (`n` 1), on a pool of Switchyard workers, at most
+`GatewayConfig.stream_resumes` times, while the request's deadline has not passed. Tools
+and structured outputs too: the worker advances the grammar's matcher over the output and
+primes its tool-call reader with the text the first replica's had read (each chunk names
+it, `text_chars`), so a call cut in its arguments is sent whole, once, by the continuation.
+`n` > 1 and foreign kinds (which take no forced prefix) are not resumed: they end with
+today's in-band error, charged what was relayed."""
 
 import json
 from typing import Any
 
-from gateway.serving.plan import GatewayChatRequest, Plan, PublicRequest
+from gateway.serving.plan import Plan
 
 _IDS_KEY = b',"token_ids":['
+_CHARS_KEY = b',"text_chars":'
 
 
-def resumable(req: PublicRequest, plan: Plan, kind: str, max_resumes: int) -> str | None:
+def resumable(plan: Plan, kind: str, max_resumes: int) -> str | None:
     """Why a stream cannot be resumed, or None when it can."""
     if max_resumes <= 0:
         return "stream_resumes is 0"
@@ -34,13 +37,6 @@ def resumable(req: PublicRequest, plan: Plan, kind: str, max_resumes: int) -> st
         return "n > 1" if plan.stream else "not a stream"
     if kind != "switchyard":
         return f"a {kind} pool takes no forced prefix"
-    if isinstance(req, GatewayChatRequest):
-        if req.tools and req.tool_choice != "none":
-            return "tools"
-        if req.response_format is not None and req.response_format.type != "text":
-            return "response_format"
-    elif req.response_format is not None and req.response_format.type != "text":
-        return "response_format"
     return None
 
 
@@ -48,11 +44,14 @@ class StreamLog:
     """What one resumable stream relayed: its output chunks (as the client got them) and
     their token ids; and, once resumed, the id the continuation's chunks are renamed from."""
 
-    __slots__ = ("token_ids", "chunks", "rename", "resumes", "complete")
+    __slots__ = ("token_ids", "chunks", "rename", "resumes", "complete", "reported_chars")
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []
         self.chunks: list[bytes] = []
+        # The characters of text the worker had handed out by its last chunk, as it said
+        # (`text_chars`, after the ids); None: it did not say (the count is then ours).
+        self.reported_chars: int | None = None
         # Every output chunk named its tokens: False when one did not (a worker that does
         # not know `return_token_ids`), and then what was relayed cannot be continued.
         self.complete = True
@@ -68,7 +67,8 @@ class StreamLog:
     def output(self, data: bytes) -> bytes:
         """An output chunk's payload as the client is to get it: its `token_ids` noted and
         cut out (JSON escapes every quote in a string, so the key can only be the worker's
-        own; the worker writes it last in its choice, after `finish_reason`)."""
+        own; the worker writes it last in its choice, after `finish_reason`, followed by
+        `text_chars`, which is cut out and kept too)."""
         start = data.find(_IDS_KEY)
         if start == -1:
             self.complete = False
@@ -78,13 +78,24 @@ class StreamLog:
                 ids = data[start + len(_IDS_KEY) : end]
                 if ids:
                     self.token_ids.extend(int(t) for t in ids.split(b","))
-                data = data[:start] + data[end + 1 :]
+                end += 1
+                if data.startswith(_CHARS_KEY, end):
+                    digits = end + len(_CHARS_KEY)
+                    stop = digits
+                    while data[stop : stop + 1].isdigit():
+                        stop += 1
+                    if stop > digits:
+                        self.reported_chars = int(data[digits:stop])
+                        end = stop
+                data = data[:start] + data[end:]
         self.chunks.append(data)
         return data
 
     def text_chars(self, chat: bool) -> int:
-        """Characters of output text the client has (what the continuation must not send
-        again)."""
+        """Characters of output text the worker handed out (what the continuation must not
+        send again): as it said, else the text the client has."""
+        if self.reported_chars is not None:
+            return self.reported_chars
         total = 0
         for data in self.chunks:
             try:

@@ -25,7 +25,7 @@ from gateway.serving.attempts import (
 )
 from gateway.serving.flight import Attempt, Flight
 from gateway.serving.plan import charge
-from gateway.serving.relay import DONE, StreamAborted, StreamTimeout, relay
+from gateway.serving.relay import DONE, StreamAborted, StreamHandedOver, StreamTimeout, relay
 from gateway.serving.resume import StreamLog, continuation, quoted, resumable
 from workers.api.client import UpstreamError, UpstreamResponse
 from workers.api.sse import EventStream
@@ -41,7 +41,7 @@ async def stream_response(
     refusal with its status. The attempt's dispatch runs as `attempt.opening`, which the
     flight's settlement cancels if it is still pending."""
     kind = attempt.lease.pool.kind
-    cannot = resumable(flight.req, flight.plan, kind, gw.config.stream_resumes)
+    cannot = resumable(flight.plan, kind, gw.config.stream_resumes)
     body = gw.body_for(flight.req, flight.plan, token_ids=cannot is None)
     log = StreamLog() if cannot is None else None
     opening = asyncio.ensure_future(open_attempt(gw, flight, attempt, body, stream=True))
@@ -217,9 +217,16 @@ async def _resume(
     log = resume.log
     assert log is not None
     lease, failed = attempt.lease, attempt.upstream
-    reason = "idle" if isinstance(exc, StreamTimeout) else "lost"
+    reason = (
+        "idle" if isinstance(exc, StreamTimeout)
+        else "drain" if isinstance(exc, StreamHandedOver)
+        else "lost"
+    )  # fmt: skip
     if lease.worker is not None:
-        lease.pool.mark_unreachable(lease.worker.url)  # the load poll brings it back
+        if reason == "drain":  # as its next /load will say: no more requests there
+            lease.pool.note_reported(lease.worker, "draining")
+        else:
+            lease.pool.mark_unreachable(lease.worker.url)  # the load poll brings it back
     first_id = failed.headers.get("x-request-id") if failed is not None else None
     if failed is not None:
         failed.close()  # a stalled worker that wakes up aborts: nothing of it is relayed

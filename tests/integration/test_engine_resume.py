@@ -1,8 +1,9 @@
 """A request resumed from another replica's output (`resume_token_ids`) continues exactly as
 the uninterrupted one: the same tokens after the cut, greedy and seeded sampled, the text
 not handed out yet (held back by the first replica's detokenizer) handed out first, and
-its output counted from the start."""
+its output counted from the start; a structured one goes on in its grammar."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -57,10 +58,43 @@ def test_a_resumed_request_continues_token_for_token_and_character_for_character
         ({"resume_token_ids": list(range(N))}, "resume_token_ids"),  # nothing left to make
         ({"resume_token_ids": [1, 10**9]}, "resume_token_ids"),
         ({"resume_token_ids": [40, 41], "resume_text_chars": 10**6}, "resume_text_chars"),
-        ({"resume_token_ids": [40], "grammar": GrammarSpec('{"type": "object"}')}, None),
     ],
 )
 def test_a_resume_that_cannot_be_one_is_refused(engine, kwargs, param):
     with pytest.raises(InvalidRequestError) as refused:
         engine.make_request(prompt="hi", params=SamplingParams(max_tokens=N), **kwargs)
     assert refused.value.param == (param or "resume_token_ids")
+
+
+SCHEMA = {
+    "type": "object",
+    # Closed choices, so that even the demo's random weights finish the document.
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"enum": [1, 2, 3]}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
+
+def test_a_resumed_structured_request_goes_on_in_its_grammar(engine):
+    """The matcher is advanced over the resumed output: the continuation is the same
+    tokens, and the document validates; output the grammar never allowed is refused."""
+    params = SamplingParams(max_tokens=N, temperature=0)
+    spec = GrammarSpec.from_schema(SCHEMA)
+    whole = _run(engine, params, grammar=spec)
+    ids = [t for o in whole for t in o.new_token_ids]
+    text = "".join(o.new_text for o in whole)
+    assert whole[-1].finish_reason == "stop" and len(ids) > 4
+    for cut in (1, len(ids) // 2, len(ids) - 1):
+        handed_out = "".join(o.new_text for o in whole[:cut])
+        rest = _run(
+            engine, params, grammar=spec, resume_token_ids=ids[:cut],
+            resume_text_chars=len(handed_out),
+        )  # fmt: skip
+        assert [t for o in rest for t in o.new_token_ids] == ids[cut:]
+        assert handed_out + "".join(o.new_text for o in rest) == text
+    assert set(json.loads(text)) == {"city", "days"}
+    not_json = engine.tokenizer.encode("hello", False)
+    with pytest.raises(InvalidRequestError) as refused:
+        engine.make_request(prompt="hi", params=params, grammar=spec, resume_token_ids=not_json)
+    assert refused.value.param == "resume_token_ids"
+    assert "does not match the request's grammar" in str(refused.value)

@@ -1,6 +1,7 @@
 """The worker's side of a resumed stream, over HTTP: `return_token_ids` names each chunk's
 tokens, and a request with `resume_token_ids` streams on from there (no role chunk, no
-text twice) with usage counting the whole output; what it cannot continue is a 400."""
+text twice) with usage counting the whole output, a tool call cut in its arguments going
+on to the same call; what it cannot continue is a 400."""
 
 import json
 
@@ -71,11 +72,6 @@ def test_a_resumed_chat_stream_carries_on_where_the_client_was(worker):
     [
         ({"stream": False, "stream_options": None}, "a stream"),
         ({"n": 2}, "n = 1"),
-        ({"response_format": {"type": "json_object"}}, "no response_format"),
-        (
-            {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
-            "no tools",
-        ),
         ({"resume_token_ids": None}, "needs resume_token_ids"),
     ],
 )
@@ -84,3 +80,64 @@ def test_what_a_resume_cannot_continue_is_a_400(worker, extra, says):
     r = httpx.post(f"{worker.url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert says in r.json()["error"]["message"]
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {  # closed choices, so that the demo's random weights finish it
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+
+
+def test_a_tool_call_cut_in_its_arguments_goes_on_to_the_same_call(worker):
+    """A forced call streams as one `tool_calls` delta once whole; cut before it, the
+    continuation (its grammar and its call reader primed with the text so far) sends the
+    same call, and the chunks' `text_chars` say what a continuation starts from."""
+    body = {
+        **CHAT,
+        "max_tokens": 64,
+        "ignore_eos": False,
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "return_token_ids": True,
+    }
+    whole = [c for c in _chunks(worker.url, body) if c["choices"]]
+    (at,) = [i for i, c in enumerate(whole) if c["choices"][0]["delta"].get("tool_calls")]
+    (call,) = whole[at]["choices"][0]["delta"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Rome")
+    ids = [t for c in whole for t in c["choices"][0]["token_ids"]]
+    cut = at // 2 + 1  # the client has read some of the call's tokens, and no call yet
+    assert 0 < cut < at and not any(c["choices"][0]["delta"].get("tool_calls") for c in whole[:cut])
+    rest = [
+        c
+        for c in _chunks(
+            worker.url,
+            {
+                **body,
+                "resume_token_ids": ids[:cut],
+                "resume_text_chars": whole[cut - 1]["choices"][0]["text_chars"],
+            },
+        )
+        if c["choices"]
+    ]
+    calls = [tc for c in rest for tc in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert [(c["index"], c["function"]) for c in calls] == [(0, call["function"])]
+    assert rest[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert [t for c in rest for t in c["choices"][0]["token_ids"]] == ids[cut:]
+    off_grammar = {**body, "resume_token_ids": [40, 41], "resume_text_chars": 0}
+    r = httpx.post(f"{worker.url}/v1/chat/completions", json=off_grammar, timeout=60)
+    assert r.status_code == 400 and "grammar" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("grace", [-1, "soon"])
+def test_a_drain_grace_that_is_not_one_is_a_400_and_drains_nothing(worker, grace):
+    r = httpx.post(f"{worker.url}/drain", json={"grace_s": grace}, timeout=10)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] in ("grace_s", None)
+    assert httpx.get(f"{worker.url}/ready", timeout=10).json()["state"] == "ready"

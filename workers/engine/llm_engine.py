@@ -116,7 +116,8 @@ class LLMEngine:
         output, a seeded generator advanced past their draws, stop strings and `max_tokens`
         counted over the whole output), and its text is not handed out again but for what
         lies past the first `resume_text_chars` characters (the client has those; the rest
-        was held back by the other replica's detokenizer). Not with a grammar.
+        was held back by the other replica's detokenizer). A grammar's matcher is advanced
+        over it (InvalidRequestError when the output does not match).
 
         A prompt rendered by the chat template already holds its special tokens (BOS
         included, where the template writes it): pass `add_special_tokens=False`.
@@ -156,11 +157,8 @@ class LLMEngine:
                 raise InvalidRequestError("structured outputs need a tokenizer", grammar.param)
             guide = self.grammars.guide(grammar, tenant)
         resumed = list(resume_token_ids or [])
+        resumed_text = ""
         if resumed:
-            if grammar is not None or guide is not None:
-                raise InvalidRequestError(
-                    "a resumed request cannot have structured output", "resume_token_ids"
-                )
             if any(not isinstance(t, int) or not 0 <= t < vocab for t in resumed):
                 raise InvalidRequestError(
                     f"resume token ids must be integers in [0, {vocab})", "resume_token_ids"
@@ -179,6 +177,15 @@ class LLMEngine:
                     probe.prime(resumed, resume_text_chars)
                 except ValueError as exc:
                     raise InvalidRequestError(str(exc), "resume_text_chars") from None
+                resumed_text = probe.text[:resume_text_chars]
+            if guide is not None:  # the matcher goes on from where the output is
+                for i, t in enumerate(resumed):
+                    if not guide.accept(t):
+                        why = guide.error or f"token {t} at {i} breaks it"
+                        raise InvalidRequestError(
+                            f"the resumed output does not match the request's grammar: {why}",
+                            "resume_token_ids",
+                        )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(
             rid,
@@ -196,6 +203,7 @@ class LLMEngine:
             request.output_token_ids = resumed
             request.all_token_ids.extend(resumed)
             request.resumed_chars = resume_text_chars
+            request.resumed_text = resumed_text
         return request
 
     def fork(self, parent: Request, request_id: str, seed: int | None) -> Request:

@@ -54,6 +54,7 @@ class Request:
         "guide",
         "fork_of",
         "resumed_chars",
+        "resumed_text",
     )
 
     def __init__(
@@ -96,8 +97,10 @@ class Request:
         # one's prefill is done, so the prompt's blocks come from the prefix cache).
         self.fork_of: str | None = None
         # Resumed from another replica's output (`LLMEngine.make_request`): the characters
-        # of its text the client already has. Its output tokens are set before it is added.
+        # of its text the client already has, and that text (what a tool-call reader read
+        # of it). Its output tokens are set before it is added.
         self.resumed_chars = 0
+        self.resumed_text = ""
 
     @property
     def num_tokens(self) -> int:

@@ -12,6 +12,7 @@ Control endpoints (/drain) are guarded by the worker's control key.
 
 import asyncio
 import logging
+import math
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +55,9 @@ ServiceDep = NamedDependency[WorkerService]
 
 class DrainOptions(msgspec.Struct):
     exit_when_empty: bool | None = None  # None: the worker's `exit_when_drained`
+    # Seconds before resumable streams are handed over; null: never; absent: the
+    # worker's `drain_grace_s`.
+    grace_s: float | None | msgspec.UnsetType = msgspec.UNSET
 
 
 def create_worker_app(service: WorkerService, on_startup: list[Callable] | None = None) -> Litestar:
@@ -148,8 +152,17 @@ async def drain(request: Request, service: ServiceDep) -> dict[str, Any]:
     exit_when_empty = (
         service.config.exit_when_drained if opts.exit_when_empty is None else opts.exit_when_empty
     )
+    grace = service.config.drain_grace_s if opts.grace_s is msgspec.UNSET else opts.grace_s
+    if grace is not None and not (grace >= 0 and math.isfinite(grace)):
+        raise ApiError(400, f"grace_s must be a number >= 0 or null, got {grace}", param="grace_s")
+    if not service.draining and grace is not None:
+        asyncio.get_running_loop().call_later(grace, service.hand_over)
     service.draining = True
-    log.info("draining (exit when empty: %s)", exit_when_empty)
+    log.info(
+        "draining (exit when empty: %s; resumable streams handed over after: %s)",
+        exit_when_empty,
+        "never" if grace is None else f"{grace:g} s",
+    )
     if exit_when_empty and service.on_drained is not None:
         asyncio.get_running_loop().create_task(exit_when_idle(service))
     return {"state": service.state}
@@ -253,7 +266,7 @@ async def _submit(
     else:
         prompt = _completion_prompt(body.prompt)
     grammar = grammar_of(body, tools)
-    _check_resume(body, tools, grammar)
+    _check_resume(body)
     # A schema the tenant has compiled is a look-up and a copy (microseconds); a new one
     # compiles off the event loop (milliseconds to a second), in the compiler's build lane.
     guide = e.grammars.cached(grammar, body.cache_salt) if grammar and e.grammars else None
@@ -273,7 +286,8 @@ async def _submit(
         texts,
         body.n,
         tools,
-        resumed=bool(body.resume_token_ids),
+        resumed=engine_req.resumed_text if body.resume_token_ids else None,
+        resumed_ids=body.resume_token_ids or (),
         token_ids=body.return_token_ids,
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -285,9 +299,10 @@ async def _submit(
     return Response(content=result, headers=headers, media_type="application/json")
 
 
-def _check_resume(body: Any, tools: Any, grammar: Any) -> None:
-    """A resume (`resume_token_ids`) continues one streamed sample of free text: what it
-    cannot continue exactly is refused, naming what it has."""
+def _check_resume(body: Any) -> None:
+    """A resume (`resume_token_ids`) continues one streamed sample (its grammar's matcher
+    and its tool-call reader going on from the output): what it cannot continue exactly is
+    refused, naming what it has."""
     if not body.resume_token_ids and not body.resume_text_chars:
         return
     if not body.resume_token_ids:
@@ -295,8 +310,6 @@ def _check_resume(body: Any, tools: Any, grammar: Any) -> None:
     for refused, what in (
         (not body.stream, "a stream"),
         (body.n != 1, "n = 1"),
-        (tools is not None, "no tools"),
-        (grammar is not None, "no response_format"),
     ):
         if refused:
             raise ApiError(400, f"a resumed request must have {what}", param="resume_token_ids")

@@ -24,6 +24,12 @@ class WorkerConfig:
     sse_heartbeat_s: float = 5.0  # SSE comment while a stream waits for its first token
     default_max_tokens: int = 256
     exit_when_drained: bool = False
+    # A drain lets what runs finish for this long, then hands over the streams a resuming
+    # gateway can continue (those that asked for `return_token_ids`): each ends with an
+    # in-band `handed_over` error, and the gateway goes on with it on another replica at
+    # the exact token (gateway/serving/resume.py). The rest still run to their end.
+    # None: wait for every request, however long. `POST /drain` may set its own.
+    drain_grace_s: float | None = 10.0
     limits: RequestLimits = field(default_factory=RequestLimits)  # per-request bounds
     # `Authorization: Bearer <control_key>` on control endpoints (/drain); None = open,
     # which the entry point allows only on a loopback host (see `control_exposure_error`).

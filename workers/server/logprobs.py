@@ -8,6 +8,7 @@ fragments joined (`ChoiceLogprobs.value`). Token texts are decoded once per toke
 the worker's life (`TokenTexts`), not once per entry.
 """
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -70,10 +71,12 @@ class ChoiceLogprobs:
 
     __slots__ = ("_texts", "_chat", "_offset", "_parts")
 
-    def __init__(self, texts: TokenTexts, chat: bool) -> None:
+    def __init__(self, texts: TokenTexts, chat: bool, after: Sequence[int] = ()) -> None:
         self._texts = texts
         self._chat = chat
-        self._offset = 0  # completions: characters of the choice's tokens so far
+        # Completions: characters of the choice's tokens so far (`after`: the tokens a
+        # resumed stream's other replica sent).
+        self._offset = sum(len(texts(t)[0]) for t in after)
         # Encoded items without their brackets, one list per array of the object.
         self._parts: list[list[bytes]] = [[]] if chat else [[], [], [], []]
 

@@ -5,6 +5,7 @@ the app's one exception handler turns into the same OpenAI-shaped 400.
 """
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -140,18 +141,28 @@ class ResponseBuilder:
         n: int = 1,
         tools: ToolPlan | None = None,
         *,
-        resumed: bool = False,
+        resumed: str | None = None,
+        resumed_ids: Sequence[int] = (),
         token_ids: bool = False,
     ):
-        self.resumed = resumed  # continuing another replica's stream: no role chunk
-        self.token_ids = token_ids  # each chunk's choice names its token ids
+        # Continuing another replica's stream (`resumed`: the text its client has, of the
+        # tokens `resumed_ids`): no role chunk, the tool-call reader goes on from that text
+        # and completions' logprobs offsets from those tokens.
+        self.resumed = resumed is not None
+        # Each chunk's choice names its token ids and the characters of text handed out so
+        # far (what a continuation's `resume_text_chars` is).
+        self.token_ids = token_ids
+        self.text_chars = [len(resumed or "")] * n
         self.id = request_id
         self.model = model
         self.chat = chat
         self.created = int(time.time())
         # Each choice's logprobs, built as its tokens arrive (stream deltas or whole).
-        self.logprobs = [ChoiceLogprobs(texts, chat) for _ in range(n)]
+        self.logprobs = [ChoiceLogprobs(texts, chat, resumed_ids) for _ in range(n)]
         self.tools = [ToolStream(tools) for _ in range(n)] if tools is not None else None
+        if self.tools is not None and resumed:
+            for reader in self.tools:
+                reader.push(resumed)  # what it makes certain was sent by the other replica
 
     def chunk(
         self, text: str, out: RequestOutput | None, first: bool, index: int = 0
@@ -161,13 +172,14 @@ class ResponseBuilder:
             if out is not None and out.logprobs
             else None
         )
+        self.text_chars[index] += len(text)
         if not self.chat:
             finish = _finish(out, False)
             choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": finish}
             if finish is not None and out is not None and out.stop_reason is not None:
                 choice["stop_reason"] = out.stop_reason
             if self.token_ids:
-                choice["token_ids"] = out.new_token_ids if out is not None else []
+                self._name_tokens(choice, out, index)
             return self._envelope("text_completion", [choice])
         delta: dict[str, Any] = {}
         calls: list[dict[str, Any]] = []
@@ -186,8 +198,14 @@ class ResponseBuilder:
         if finish is not None and out is not None and out.stop_reason is not None:
             choice["stop_reason"] = out.stop_reason  # as the whole answer's choice has it
         if self.token_ids:
-            choice["token_ids"] = out.new_token_ids if out is not None else []
+            self._name_tokens(choice, out, index)
         return self._envelope("chat.completion.chunk", [choice])
+
+    def _name_tokens(self, choice: dict[str, Any], out: RequestOutput | None, index: int) -> None:
+        """The extension a resuming gateway reads and cuts out (`gateway.serving.resume`):
+        last in the choice, the chunk's token ids, then the text handed out so far."""
+        choice["token_ids"] = out.new_token_ids if out is not None else []
+        choice["text_chars"] = self.text_chars[index]
 
     def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

@@ -21,11 +21,19 @@ from workers.engine.request import Request as EngineRequest
 from workers.errors import RequestFailedError
 from workers.server.logprobs import ChoiceLogprobs
 from workers.server.openai_format import ResponseBuilder
-from workers.server.service import WorkerService
+from workers.server.service import HANDOVER, WorkerService
 
 log = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
+# A drained worker's last event on a stream it hands over (`WorkerService.hand_over`): a
+# resuming gateway continues the stream elsewhere; a client of the worker itself sees it.
+HANDED_OVER = ApiError(
+    503,
+    "this worker is draining: the stream is handed over, to be resumed on another replica",
+    type="server_error",
+    code="handed_over",
+)
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -179,18 +187,28 @@ async def sse_stream(
     clock = _TokenClock(service)
     first = [True] * len(reqs)
     lasts: dict[int, RequestOutput] = {}
+    # A stream whose chunks name their tokens is one a resuming gateway can continue: a
+    # drain past its grace hands it over rather than wait for its end.
+    resumable = builder.token_ids and len(reqs) == 1
+    if resumable:
+        service.watch_handover(queue)
     try:
         while len(lasts) < len(reqs):
             if all(first):
                 try:
-                    index, item = await asyncio.wait_for(
-                        queue.get(), service.config.sse_heartbeat_s
-                    )
+                    got = await asyncio.wait_for(queue.get(), service.config.sse_heartbeat_s)
                 except TimeoutError:
                     yield b": keep-alive\n\n"
                     continue
             else:
-                index, item = await queue.get()
+                got = await queue.get()
+            if got is HANDOVER:
+                log.info("%s handed over after %d tokens", reqs[0].request_id,
+                         reqs[0].num_output_tokens)  # fmt: skip
+                yield sse(HANDED_OVER.body())
+                yield DONE
+                return
+            index, item = got
             if isinstance(item, Exception):
                 yield sse(engine_error(item, streaming=True).body())
                 yield DONE
@@ -207,6 +225,8 @@ async def sse_stream(
             yield sse(builder.usage_chunk([lasts[i] for i in range(len(reqs))]))
         yield DONE
     finally:
+        if resumable:
+            service.unwatch_handover(queue)
         for t in tasks:
             t.cancel()
 

@@ -1,5 +1,6 @@
 """One worker's behaviour, independent of the HTTP framework: state, admission, load."""
 
+import asyncio
 import hmac
 import logging
 import math
@@ -19,6 +20,9 @@ from workers.server.metrics import WorkerMetrics
 from workers.server.stall import StallWatch
 
 log = logging.getLogger(__name__)
+
+# What a stream's queue gets when its worker's drain hands it over (`hand_over`).
+HANDOVER = object()
 
 
 def bearer_matches(authorization: str | None, key: str) -> bool:
@@ -58,6 +62,10 @@ class WorkerService:
         self.clock = clock
         self.rng = rng or random.Random()
         self.draining = False
+        # Streams a resuming gateway can continue elsewhere: each one's queue, to which
+        # `hand_over` puts HANDOVER once a drain's grace is over.
+        self._handover_queues: set[asyncio.Queue] = set()
+        self.handed_over = False
         self.load_error: str | None = None
         self._rate: deque[tuple[float, int]] = deque(maxlen=256)
         self._lock = threading.Lock()
@@ -72,6 +80,25 @@ class WorkerService:
             engine.add_death_callback(self._engine_died)
         metrics.watch_grammars(self._grammar_stats)
         metrics.watch_load(self._published_load)
+
+    def watch_handover(self, queue: asyncio.Queue) -> None:
+        """Hand this stream's queue HANDOVER when the drain's grace is over (at once when
+        it is over already)."""
+        self._handover_queues.add(queue)
+        if self.handed_over:
+            queue.put_nowait(HANDOVER)
+
+    def unwatch_handover(self, queue: asyncio.Queue) -> None:
+        self._handover_queues.discard(queue)
+
+    def hand_over(self) -> None:
+        """The drain's grace is over: every resumable stream still running ends with a
+        `handed_over` event (a resuming gateway continues it on another replica)."""
+        self.handed_over = True
+        if self._handover_queues:
+            log.info("drain grace over: handing %d streams over", len(self._handover_queues))
+        for queue in list(self._handover_queues):
+            queue.put_nowait(HANDOVER)
 
     @property
     def model_name(self) -> str:

@@ -1,7 +1,8 @@
 """Streams that outlive their replica, with real worker processes behind a real gateway:
-a worker SIGKILLed (or SIGSTOPped) mid-stream hands the stream to the other replica, and
-the client's text equals the uninterrupted answer's, byte for byte, greedy and seeded,
-with one usage and one charge; the access line and /metrics say it resumed."""
+a worker SIGKILLed (or SIGSTOPped, or drained past its grace) mid-stream hands the stream
+to another replica, and the client's text equals the uninterrupted answer's, byte for
+byte, greedy and seeded, structured output and a tool call cut in its arguments too, with
+one usage and one charge; the access line and /metrics say it resumed."""
 
 import json
 import logging
@@ -30,15 +31,16 @@ CUT_AFTER = 5  # tokens the client reads before its worker is stopped
 
 
 class Workers:
-    """Two `switchyard worker` processes of the model, one pool's replicas. The SIGSTOP
-    test runs first and wakes its worker after; the SIGKILL test leaves one."""
+    """Three `switchyard worker` processes of the model, one pool's replicas. The SIGSTOP
+    tests run first and wake their worker after; the drain test leaves two, the SIGKILL
+    test one, and the last test kills that."""
 
     def __init__(self, model_dir, tmp) -> None:
         self.procs: dict[str, subprocess.Popen] = {}
         config = os.path.join(tmp, "worker.yaml")
         with open(config, "w") as f:  # no start-up calibration: it is not under test here
             f.write("engine:\n  calibrate: false\n  kv_cache_gib: 0.125\n")
-        for i in range(2):
+        for i in range(3):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             cmd = [sys.executable, "-m", "cli", "worker", "--model", str(model_dir)]
@@ -97,6 +99,16 @@ def _key(url: str, tenant: str) -> str:
     ).json()["key"]
 
 
+def _calls(chunks: list[dict]) -> list[tuple[int, dict]]:
+    """The tool calls a stream sent: (index, function) of each `tool_calls` delta."""
+    return [
+        (call["index"], call["function"])
+        for c in chunks
+        for choice in c.get("choices") or []
+        for call in choice["delta"].get("tool_calls") or []
+    ]
+
+
 def _stream(url: str, key: str, body: dict, on_token=None) -> tuple[str, list[dict]]:
     """The stream's text and chunks; `on_token(n)` after each output chunk read."""
     chunks, text, n = [], "", 0
@@ -127,6 +139,102 @@ def _body(**extra) -> dict:
         "stream_options": {"include_usage": True},
         **extra,
     }
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+GUIDED = {
+    "structured": {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "w", "schema": WEATHER["function"]["parameters"]},
+        }
+    },
+    "tool-call": {
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    },
+}
+
+
+@pytest.mark.parametrize("guided", list(GUIDED))
+def test_a_guided_stream_cut_mid_document_goes_on_in_its_grammar(stack, guided):
+    """Structured output and a forced tool call, cut after a few tokens (inside the JSON,
+    inside the call's arguments): the continuation's grammar and tool-call reader go on
+    from there; the document is the uninterrupted one, the call is sent once, whole."""
+    url, workers, _, gw = stack
+    key = _key(url, f"resume-{guided}")
+    body = _body(temperature=0, **GUIDED[guided])
+    whole, whole_chunks = _stream(url, key, body)
+    victim: list[str] = []
+
+    def stop_its_worker(n: int) -> None:
+        if n == CUT_AFTER:
+            victim.append(workers.serving(gw))
+            os.kill(workers.procs[victim[0]].pid, signal.SIGSTOP)
+
+    try:
+        text, chunks = _stream(url, key, body, on_token=stop_its_worker)
+    finally:
+        for v in victim:
+            os.kill(workers.procs[v].pid, signal.SIGCONT)
+    assert victim
+    assert eventually(lambda: gw.pools["small"].views[victim[0]].state == "ready")
+    assert len({c["id"] for c in chunks}) == 1
+    if guided == "structured":
+        assert text == whole and set(json.loads(text)) == {"city", "unit"}
+    else:
+        (call,) = _calls(whole_chunks)
+        assert json.loads(call[1]["arguments"])["city"] in ("Paris", "Rome")
+        assert _calls(chunks) == [call] and text == whole == ""
+        assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls"
+    usage = chunks[-1]["usage"]
+    assert usage["completion_tokens"] == whole_chunks[-1]["usage"]["completion_tokens"]
+
+
+def test_a_drained_replica_hands_its_stream_over_and_exits_once_empty(stack, caplog):
+    """`POST /drain` with a grace: past it, the worker ends its resumable stream with a
+    `handed_over` event, which the gateway never relays: it goes on on another replica,
+    identically, and the drained worker exits 0 (nothing left to wait for). How soon:
+    `switchyard bench resume --drain-tokens 2000`."""
+    url, workers, redis_url, gw = stack
+    key = _key(url, "resume-drain")
+    body = _body(temperature=0)
+    whole, whole_chunks = _stream(url, key, body)
+    victim: list[str] = []
+
+    def drain_its_worker(n: int) -> None:
+        if n == CUT_AFTER:
+            victim.append(workers.serving(gw))
+            r = httpx.post(f"{victim[0]}/drain", json={"exit_when_empty": True, "grace_s": 0})
+            assert r.status_code == 200 and r.json()["state"] == "draining"
+
+    caplog.set_level(logging.INFO, logger="gateway.access")
+    text, chunks = _stream(url, key, body, on_token=drain_its_worker)
+    assert victim
+    assert workers.procs[victim[0]].wait(30) == 0
+    assert text == whole and len({c["id"] for c in chunks}) == 1
+    assert not any("error" in c for c in chunks)
+    for count in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert chunks[-1]["usage"][count] == whole_chunks[-1]["usage"][count]
+    assert gw.metrics.resumes.labels("small", "drain")._value.get() == 1
+    assert eventually(
+        lambda: any(
+            "resumes=1" in r.getMessage() and "status=200" in r.getMessage()
+            for r in caplog.records
+            if r.name == "gateway.access"
+        )
+    )
 
 
 @pytest.mark.parametrize(
@@ -178,11 +286,10 @@ def test_a_stream_whose_worker_dies_goes_on_on_the_other_replica_identically(
 
 
 def test_a_stream_that_cannot_be_resumed_ends_in_band_as_before(stack):
-    """Tools are not resumed (their call parser would go on from the middle): the worker's
-    death is an in-band error, and the tenant is charged what was relayed."""
+    """Two samples in one stream (n = 2) are not resumed: the worker's death is an in-band
+    error, and the tenant is charged what was relayed."""
     url, workers, redis_url, gw = stack
     key = _key(url, "noresume")
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     victim: list[str] = []
 
     def kill(n: int) -> None:
@@ -190,7 +297,7 @@ def test_a_stream_that_cannot_be_resumed_ends_in_band_as_before(stack):
             victim.append(workers.serving(gw))
             os.kill(workers.procs[victim[0]].pid, signal.SIGKILL)
 
-    _, chunks = _stream(url, key, _body(tools=tools, temperature=0), on_token=kill)
+    _, chunks = _stream(url, key, _body(n=2, temperature=1.0, seed=3), on_token=kill)
     assert victim
     assert chunks[-1]["error"]["code"] == "upstream_failed"
     relayed = sum(1 for c in chunks for _ in c.get("choices") or [])

@@ -10,7 +10,8 @@ import pytest
 from gateway.serving import relay as relay_mod
 from gateway.serving.flight import Attempt
 from gateway.serving.plan import Plan
-from gateway.serving.relay import relay
+from gateway.serving.relay import StreamHandedOver, relay
+from gateway.serving.resume import StreamLog
 
 
 class Upstream:
@@ -97,6 +98,33 @@ def test_an_error_event_is_forwarded_and_ends_the_stream():
     body, attempt = run([token("a") + error + token("never")], True)
     assert body == token("a") + error + DONE
     assert attempt.served.tokens_relayed == 1
+
+
+def test_a_handed_over_stream_raises_before_the_client_sees_it_when_it_can_be_resumed():
+    """A draining worker's `handed_over` event: for a resumable stream (one with a log) the
+    tokens before it go out and the relay raises, so the stream goes on elsewhere; for any
+    other it is an error event as before."""
+    handed = event(
+        {"error": {"message": "draining", "type": "server_error", "code": "handed_over"}}
+    )
+    ids = b'data: {"id":"c","choices":[{"index":0,"text":"a","finish_reason":null,"token_ids":[9],"text_chars":1}]}\n\n'  # noqa: E501
+    attempt = Attempt(lease=None)
+    log = StreamLog()
+    got: list[bytes] = []
+
+    async def go() -> None:
+        async for b in relay(Upstream([ids + handed]), attempt, make_plan(False), 5, 1 << 20, log):
+            got.append(b)
+
+    with pytest.raises(StreamHandedOver):
+        asyncio.run(go())
+    assert (
+        b"".join(got)
+        == b'data: {"id":"c","choices":[{"index":0,"text":"a","finish_reason":null}]}\n\n'
+    )
+    assert log.token_ids == [9] and log.text_chars(chat=False) == 1
+    body, _ = run([token("a") + handed], True)  # not resumable: relayed, and the end
+    assert body == token("a") + handed + DONE
 
 
 def chat(delta: dict, finish: str | None = None) -> bytes:

@@ -8,7 +8,6 @@ import pytest
 
 from gateway.serving.plan import Plan
 from gateway.serving.resume import StreamLog, continuation, quoted, resumable
-from tests.unit.gateway.test_plan import chat, completion
 from tests.unit.gateway.test_plan import plan as base_plan
 
 
@@ -18,39 +17,20 @@ def plan(**fields) -> Plan:
 
 
 @pytest.mark.parametrize(
-    ("req", "p", "kind", "limit", "why"),
+    ("p", "kind", "limit", "why"),
     [
-        (chat(), plan(), "switchyard", 2, None),
-        (chat(), plan(), "switchyard", 0, "stream_resumes is 0"),
-        (chat(), plan(stream=False), "switchyard", 2, "not a stream"),
-        (chat(), plan(n=2), "switchyard", 2, "n > 1"),
-        (chat(), plan(), "vllm", 2, "a vllm pool takes no forced prefix"),
-        (
-            chat(tools=[{"type": "function", "function": {"name": "f"}}]),
-            plan(),
-            "switchyard",
-            2,
-            "tools",
-        ),
-        (
-            chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none"),
-            plan(),
-            "switchyard",
-            2,
-            None,
-        ),
-        (chat(response_format={"type": "json_object"}), plan(), "switchyard", 2, "response_format"),
-        (
-            completion(),
-            plan(chat=False),
-            "switchyard",
-            2,
-            None,
-        ),
+        (plan(), "switchyard", 2, None),
+        (plan(), "switchyard", 0, "stream_resumes is 0"),
+        (plan(stream=False), "switchyard", 2, "not a stream"),
+        (plan(n=2), "switchyard", 2, "n > 1"),
+        (plan(), "vllm", 2, "a vllm pool takes no forced prefix"),
+        (plan(), "sglang", 2, "a sglang pool takes no forced prefix"),
+        (plan(chat=False), "switchyard", 2, None),
     ],
 )
-def test_which_streams_may_be_resumed(req, p, kind, limit, why):
-    assert resumable(req, p, kind, limit) == why
+def test_which_streams_may_be_resumed(p, kind, limit, why):
+    """Tools and structured outputs too (the worker goes on in their grammar and reader)."""
+    assert resumable(p, kind, limit) == why
 
 
 def test_token_ids_are_cut_out_of_what_the_client_gets_and_kept():
@@ -74,6 +54,20 @@ def test_token_ids_are_cut_out_of_what_the_client_gets_and_kept():
         "resume_text_chars": 9,
         "return_token_ids": True,
     }
+
+
+def test_the_text_the_worker_handed_out_is_what_it_says_when_it_says():
+    """A tool call's text is held back from the client until whole: the worker's
+    `text_chars` (after the ids) counts it, and is cut out with them."""
+    log = StreamLog()
+    held = b'{"id":"a","choices":[{"index":0,"delta":{},"finish_reason":null,"token_ids":[5,6],"text_chars":12}]}'  # noqa: E501
+    sent = log.output(held)
+    assert json.loads(sent)["choices"][0] == {"index": 0, "delta": {}, "finish_reason": None}
+    assert log.token_ids == [5, 6] and log.reported_chars == 12
+    assert log.text_chars(chat=True) == 12  # the client has none of it as content
+    odd = b'{"choices":[{"index":0,"text":"x","token_ids":[7],"text_chars":-1}]}'
+    assert json.loads(log.output(odd))["choices"][0] == {"index": 0, "text": "x", "text_chars": -1}
+    assert log.reported_chars == 12  # what is not a count is left alone
 
 
 def test_a_chunk_without_ids_makes_the_stream_not_resumable_and_no_ids_is_a_fresh_start():
