@@ -8,7 +8,14 @@ tokens the dead worker had already sent arrive first, from buffers). Against it,
 the unloaded TTFT of the same prompt plus the same `k` tokens of output, as a resume
 prefills them, on a replica whose prefix cache has never seen them (the killed one,
 restarted): the issue's target is a kill-to-next-token p50/p99 within 2x of that. Every
-round also checks the client's text against the uninterrupted answer's."""
+round also checks the client's text against the uninterrupted answer's.
+
+Then the drain (`drain_tokens` > 0): a stream of that many tokens, and once it is under
+way its worker is drained (`POST /drain`, exit when empty) twice over: with no grace (the
+worker waits for the answer's end, as every drain did before streams were handed over)
+and with `drain_grace_s` (past it the stream is handed over and goes on on the other
+replica). Measured: from the drain to the worker's exit; the target is within the grace
+plus 1 s. Both answers must be the same text."""
 
 import json
 import os
@@ -18,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +46,8 @@ class ResumeBenchOptions:
     max_tokens: int = 80
     max_cut: int = 40
     seed: int = 0
+    drain_tokens: int = 2000  # 0: no drain measurement
+    drain_grace_s: float = 10.0
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -171,6 +181,78 @@ def _resume_ttft(worker: str, body: dict, ids: list[int], texts: list[str], cut:
     raise RuntimeError("the resume sent no token")
 
 
+def _drained_stream(
+    gateway: str, key: str, body: dict, workers: "_Workers", grace_s: float | None
+) -> tuple[str, float, float]:
+    """Stream `body` through the gateway and drain its worker once 16 tokens are in: the
+    client's text, seconds from the drain to the worker's exit, and the stream's length."""
+    got: dict[str, Any] = {"text": "", "n": 0}
+    under_way = threading.Event()
+
+    def read() -> None:
+        headers = {"authorization": f"Bearer {key}"}
+        try:
+            with httpx.stream(
+                "POST", f"{gateway}/v1/chat/completions", json=body, headers=headers,
+                timeout=600,
+            ) as r:  # fmt: skip
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("error"):
+                        got["error"] = chunk["error"]
+                    for choice in chunk.get("choices") or []:
+                        got["text"] += choice["delta"].get("content") or ""
+                        got["n"] += 1
+                        if got["n"] == 16:
+                            under_way.set()
+        finally:
+            under_way.set()
+            got["ended"] = time.monotonic()
+
+    t0 = time.monotonic()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    under_way.wait(120)
+    victim = workers.running()
+    if victim is None:
+        raise RuntimeError("no worker was running the stream")
+    drained_at = time.monotonic()
+    r = httpx.post(f"{victim}/drain", json={"exit_when_empty": True, "grace_s": grace_s})
+    r.raise_for_status()
+    workers.procs[victim].wait(900)
+    drain_s = time.monotonic() - drained_at
+    reader.join(900)
+    if "error" in got:
+        raise RuntimeError(f"the drained stream failed: {got['error']}")
+    workers.restart(victim)
+    return got["text"], drain_s, got["ended"] - t0
+
+
+def _drain_figures(opts: ResumeBenchOptions, gateway: str, key: str, workers: "_Workers") -> dict:
+    body = _body(-1, opts.drain_tokens, ignore_eos=True)
+    print(f"  drain: a {opts.drain_tokens}-token stream, its worker drained with no grace",
+          flush=True)  # fmt: skip
+    before_text, before_s, before_len = _drained_stream(gateway, key, body, workers, None)
+    print(f"    exited {before_s:.1f} s after the drain (the stream took {before_len:.1f} s); "
+          f"now with a grace of {opts.drain_grace_s:g} s", flush=True)  # fmt: skip
+    after_text, after_s, after_len = _drained_stream(
+        gateway, key, body, workers, opts.drain_grace_s
+    )
+    print(f"    exited {after_s:.1f} s after the drain (the stream took {after_len:.1f} s)",
+          flush=True)  # fmt: skip
+    return {
+        "tokens": opts.drain_tokens,
+        "grace_s": opts.drain_grace_s,
+        "before_s": before_s,
+        "after_s": after_s,
+        "stream_before_s": before_len,
+        "stream_after_s": after_len,
+        "texts_identical": before_text == after_text,
+    }
+
+
 def run_resume_bench(opts: ResumeBenchOptions) -> dict:
     from gateway.runtime.embedded_redis import EmbeddedRedis
 
@@ -202,6 +284,7 @@ def run_resume_bench(opts: ResumeBenchOptions) -> dict:
                         f"{gap * 1e3:.0f} ms (unloaded resume TTFT {refs[-1] * 1e3:.0f} ms)",
                         flush=True,
                     )
+                drain = _drain_figures(opts, gateway, key, workers) if opts.drain_tokens else None
         finally:
             workers.stop()
             redis.close()
@@ -218,6 +301,7 @@ def run_resume_bench(opts: ResumeBenchOptions) -> dict:
             "p50": statistics.median(refs) * 1e3,
             "p99": _percentile(refs, 0.99) * 1e3,
         },
+        "drain": drain,
         "elapsed_s": time.perf_counter() - t_start,
     }
     ratio_p50 = data["stall_after_kill_ms"]["p50"] / data["unloaded_resume_ttft_ms"]["p50"]
@@ -247,5 +331,22 @@ def run_resume_bench(opts: ResumeBenchOptions) -> dict:
         f"Target (the stall <= 2x the unloaded TTFT, p50 and p99; every text "
         f"identical): {'met' if met else 'NOT met'}",
     ]
+    if drain is not None:
+        drain_met = drain["after_s"] <= drain["grace_s"] + 1 and drain["texts_identical"]
+        same = "identical" if drain["texts_identical"] else "NOT identical"
+        lines += [
+            "",
+            f"## Draining a replica that holds a {drain['tokens']}-token stream",
+            "",
+            "| drain | worker exited after | the stream took |",
+            "|---|---|---|",
+            f"| no grace (waits for the answer) | {drain['before_s']:.1f} s | "
+            f"{drain['stream_before_s']:.1f} s |",
+            f"| grace {drain['grace_s']:g} s, then handed over | {drain['after_s']:.1f} s | "
+            f"{drain['stream_after_s']:.1f} s |",
+            "",
+            f"The two answers' texts are {same}. Target (exit within the grace + 1 s, the "
+            f"same text): {'met' if drain_met else 'NOT met'}",
+        ]
     write_report(opts.out_dir, "resume", data, "\n".join(lines))
     return data

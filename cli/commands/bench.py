@@ -227,6 +227,8 @@ def _cmd_resume(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             max_cut=args.max_cut,
             seed=args.seed,
+            drain_tokens=args.drain_tokens,
+            drain_grace_s=args.drain_grace,
         )
     )
     print(Path(args.out, "resume.md").read_text())
@@ -369,6 +371,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     br.add_argument("--kills", type=int, default=20, help="streams killed")
     br.add_argument("--max-tokens", type=int, default=80, help="tokens of each stream")
     br.add_argument("--max-cut", type=int, default=40, help="kill after 4 to this many tokens")
+    br.add_argument(
+        "--drain-tokens", type=int, default=2000,
+        help="the stream a drained worker holds, in tokens (0: no drain figures)",
+    )  # fmt: skip
+    br.add_argument(
+        "--drain-grace", type=float, default=10.0,
+        help="the drain's grace before the stream is handed over (the worker's default)",
+    )  # fmt: skip
     br.add_argument("--model", default=None, help="a known model (default: the default model)")
     br.add_argument("--model-dir", default=None, help="a local checkpoint instead")
     br.add_argument("--seed", type=int, default=0, help="the cuts' random seed")

@@ -3,6 +3,7 @@
 import argparse
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -92,4 +93,19 @@ def run(args: argparse.Namespace) -> int:
         except ShardingError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    return serve_worker(model_dir, engine_cfg, worker_cfg, args.host, args.port)
+    _exit_at_once(serve_worker(model_dir, engine_cfg, worker_cfg, args.host, args.port))
+
+
+def _exit_at_once(status: int) -> NoReturn:
+    """End the process with `status` now that the server and the engine have stopped,
+    without the interpreter's teardown: freeing the model's tensors and thread pools one by
+    one took 0.6-1.3 s of a drained worker's exit on the 2-core machine, time its
+    supervisor and the autoscaler count as draining. Logs and stdio are flushed first."""
+    import logging
+    import os
+
+    logging.getLogger(__name__).info("exiting with status %d", status)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
