@@ -1,6 +1,8 @@
 """`switchyard bench autoscale`: the autoscaler against baselines and oracles, in
 simulation (benchmarks/autoscale/simulate.py): a burst, a diurnal ramp, and a spike shorter
-than a replica's start-up, each replayed with the same arrivals for every policy."""
+than a replica's start-up, each replayed with the same arrivals for every policy; then the
+autoscaler on the burst and the ramp with some 2,000-token answers, its drained replicas
+waiting for their longest stream or handing it over after the workers' drain grace."""
 
 import dataclasses
 import math
@@ -98,7 +100,7 @@ def run_autoscale_bench(opts: AutoscaleBenchOptions) -> dict[str, Any]:
     sim = SimConfig(seed=opts.seed)
     data: dict[str, Any] = {"sim": dataclasses.asdict(sim), "quick": opts.quick, "traces": {}}
     traces = bench_traces(opts.quick)
-    bar = tqdm(total=len(traces) * 6, desc="autoscale sim", unit="run")
+    bar = tqdm(total=len(traces) * 6 + len(DRAIN_TRACES) * 2, desc="autoscale sim", unit="run")
     for trace in traces:
         arrivals = make_arrivals(trace, sim)
         rows: dict[str, dict[str, Any]] = {}
@@ -110,12 +112,57 @@ def run_autoscale_bench(opts: AutoscaleBenchOptions) -> dict[str, Any]:
             row["vs_lead"] = row["replica_seconds"] / rows["oracle-lead"]["replica_seconds"]
         data["traces"][trace.name] = rows
     bar.close()
+    data["drain"] = _drain_runs(traces, sim, bar)
     data["targets"] = _targets(data)
     md = _markdown(data, sim)
     json_path, md_path = write_report(opts.out_dir, "autoscale", data, md)
     print(md)
     print(f"\nwrote {json_path} and {md_path}")
     return data
+
+
+# The drain comparison: these traces with LONG_SHARE of long answers, and this grace.
+DRAIN_TRACES = (0, 1)  # burst, diurnal
+LONG_SHARE = 0.02
+DRAIN_GRACE_S = 10.0  # the worker's default `drain_grace_s`
+
+
+def _long(sim: SimConfig) -> SimConfig:
+    return dataclasses.replace(sim, long_share=LONG_SHARE)
+
+
+def _drain_runs(traces: list[Trace], sim: SimConfig, bar: tqdm) -> dict[str, Any]:
+    """The autoscaler with long answers in the mix, drained replicas waiting for their
+    longest stream against handing it over after the grace; the same arrivals for both."""
+    out: dict[str, Any] = {}
+    long_sim = _long(sim)
+    # The same slots' demand as the trace without long answers: its rates scaled down.
+    scale = sim.mean_request_s / long_sim.mean_request_s
+    for base in (traces[k] for k in DRAIN_TRACES):
+        trace = Trace(base.name, base.duration_s, lambda t, base=base: scale * base.rate_per_s(t))
+        arrivals = make_arrivals(trace, long_sim)
+        rows = {}
+        for label, grace in (
+            ("waits for its streams", None),
+            (f"grace {DRAIN_GRACE_S:g} s", DRAIN_GRACE_S),
+        ):
+            cfg = dataclasses.replace(long_sim, drain_grace_s=grace)
+            policy = Autoscaler({trace.name: autoscaler_config(cfg)}).decide
+            res = simulate(policy, trace, cfg, arrivals)
+            rows[label] = {
+                **summarize(res, cfg),
+                "drains": len(res.drain_s),
+                "drain_p50_s": percentile(res.drain_s, 50),
+                "drain_max_s": max(res.drain_s, default=math.nan),
+                "handed_over": res.handed_over,
+                "resume_stall_p99_s": percentile(res.resume_stall_s, 99),
+            }
+            bar.update()
+        wait, grace_row = rows.values()
+        grace_row["vs_waiting"] = grace_row["replica_seconds"] / wait["replica_seconds"]
+        wait["vs_waiting"] = 1.0
+        out[trace.name] = rows
+    return out
 
 
 def _targets(data: dict[str, Any]) -> dict[str, dict[str, bool]]:
@@ -127,6 +174,13 @@ def _targets(data: dict[str, Any]) -> dict[str, dict[str, bool]]:
             "replica_seconds_le_1.3x_lead": a["vs_lead"] <= 1.3,
             "overshoot_le_1": a["overshoot"] <= 1,
             "no_stream_cut": a["stream_cuts"] == 0,
+        }
+    for name, rows in data["drain"].items():
+        wait, grace = rows.values()
+        out[f"drain: {name}"] = {
+            "fewer_replica_seconds_with_the_grace": grace["vs_waiting"] < 1.0,
+            "every_drain_within_grace_plus_1s": grace["drain_max_s"] <= DRAIN_GRACE_S + 1.0,
+            "no_stream_cut": wait["stream_cuts"] == grace["stream_cuts"] == 0,
         }
     return out
 
@@ -148,6 +202,22 @@ COLUMNS = [
 ]
 
 
+DRAIN_COLUMNS = [
+    ("drain", "drained replica"),
+    ("replica_seconds", "replica-s"),
+    ("vs_waiting", "x waiting"),
+    ("drains", "drains"),
+    ("drain_p50_s", "drain p50 s"),
+    ("drain_max_s", "drain max s"),
+    ("handed_over", "handed over"),
+    ("resume_stall_p99_s", "resume stall p99 s"),
+    ("ttft_slo_attainment", "TTFT SLO"),
+    ("ttft_p99_s", "TTFT p99 s"),
+    ("refused", "refused"),
+    ("stream_cuts", "cuts"),
+]
+
+
 def _markdown(data: dict[str, Any], sim: SimConfig) -> str:
     parts = ["**Quick smoke run: these figures are not the benchmark.**\n"] if data["quick"] else []
     parts.append(
@@ -165,6 +235,29 @@ def _markdown(data: dict[str, Any], sim: SimConfig) -> str:
         verdict = data["targets"][name]
         parts.append(
             "Targets (autoscaler): "
+            + ", ".join(f"{k} {'met' if ok else 'MISSED'}" for k, ok in verdict.items())
+            + "\n"
+        )
+    parts.append(
+        "## Drain: waiting for the longest stream, or handing it over\n\n"
+        f"The autoscaler again, {100 * LONG_SHARE:g}% of requests now long answers "
+        f"(U(0.5, 1.5) x {sim.long_service_s:.0f} s, about 2,000 tokens) and the rates "
+        f"scaled by {sim.mean_service_s / _long(sim).mean_request_s:.2f} so the slots' "
+        "demand is the trace's; the same arrivals both ways. A drained replica either waits "
+        "for its last stream, or hands the streams it still holds after "
+        f"{DRAIN_GRACE_S:g} s to another replica ({sim.resume_s:g} s resume each) and exits. "
+        "A draining replica counts against max_replicas and in the replica-seconds until it "
+        "exits.\n"
+    )
+    for name, rows in data["drain"].items():
+        parts.append(f"### {name}, {100 * LONG_SHARE:g}% long answers\n")
+        table = [{"drain": k, **v} for k, v in rows.items()]
+        for row in table:
+            row["ttft_slo_attainment"] = f"{100 * row['ttft_slo_attainment']:.1f}%"
+        parts.append(markdown_table(table, DRAIN_COLUMNS) + "\n")
+        verdict = data["targets"][f"drain: {name}"]
+        parts.append(
+            "Targets: "
             + ", ".join(f"{k} {'met' if ok else 'MISSED'}" for k, ok in verdict.items())
             + "\n"
         )

@@ -3,8 +3,11 @@
 Requests arrive per a trace (requests per second over time, Poisson), each holds one of
 a replica's `capacity_per_replica` slots for its service time. The gateway queues what
 finds no free slot, FIFO, up to `queue_capacity`; past that it refuses. TTFT is the
-queue wait plus `prefill_s`. A replica is ready `startup_s` after it is ordered;
-drained replicas finish their in-flight requests before they exit. Time is a number:
+queue wait plus `prefill_s`. A replica is ready `startup_s` after it is ordered. A
+drained replica finishes its in-flight requests before it exits, or, with a
+`drain_grace_s`, hands what is left after the grace to the other replicas (the workers'
+migrating drain: the gateway resumes each stream elsewhere, `resume_s` of prefill for
+the prompt and the tokens already sent) and exits then. Time is a number:
 the policy gets the simulated clock, nothing sleeps, and a seed fixes every run.
 
 `SimPool` is an `Actuator`: the policy's decisions reach the simulated replicas through
@@ -48,13 +51,26 @@ class SimConfig:
     rate_window_s: float = 10.0  # arrivals per second are counted over this
     max_tail_s: float = 900.0  # after the trace, run on until every request is served
     kv_tokens_per_request: tuple[int, int] = (200, 1000)  # resident tokens, uniform
+    # Long answers: this share of requests holds a slot U(0.5, 1.5) x `long_service_s`
+    # (2,000 tokens at 45 ms a token is 90 s).
+    long_share: float = 0.0
+    long_service_s: float = 90.0
+    # None: a drained replica waits for its longest stream. A number: it hands the streams
+    # it still holds over after this long (the worker's `drain_grace_s`).
+    drain_grace_s: float | None = None
+    resume_s: float = 0.15  # a handed-over stream's stall: prefill of prompt + sent tokens
     seed: int = 0
+
+    @property
+    def mean_request_s(self) -> float:
+        """The mean time a request holds a slot, long answers included."""
+        return (1 - self.long_share) * self.mean_service_s + self.long_share * self.long_service_s
 
     def needed(self, rate_per_s: float) -> int:
         """Replicas the offered rate needs at the per-replica capacity target, within the
         bounds (at 100 % of the slots a queue never drains)."""
         per_replica = self.capacity_per_replica * self.target_utilization
-        raw = math.ceil(rate_per_s * self.mean_service_s / per_replica - 1e-9)
+        raw = math.ceil(rate_per_s * self.mean_request_s / per_replica - 1e-9)
         return min(max(raw, self.min_replicas), self.max_replicas)
 
 
@@ -65,6 +81,9 @@ class SimResult:
     refused: int = 0
     refused_below_max: int = 0  # refused while the policy could still have ordered more
     stream_cuts: int = 0  # requests still resident when their replica exited
+    handed_over: int = 0  # streams a drained replica handed to another after its grace
+    resume_stall_s: list[float] = field(default_factory=list)  # each hand-over's stall
+    drain_s: list[float] = field(default_factory=list)  # each drain, ordered -> exited
     replica_seconds: float = 0.0  # starting + ready + draining, over the trace
     peak_ordered: int = 0  # most replicas ordered (ready + starting) at once
     peak_needed: int = 0
@@ -83,6 +102,7 @@ class _Replica:
     inflight: list[tuple[float, int, float]] = field(default_factory=list)  # heap: end_s,
     # tokens, service_s
     resident_tokens: int = 0
+    draining_since_s: float | None = None
 
 
 class SimPool:
@@ -108,8 +128,9 @@ class SimPool:
             return
         if replica.state == "starting":
             del self.replicas[replica_id]
-        else:
+        elif replica.state != "draining":
             replica.state = "draining"
+            replica.draining_since_s = self.now_s
 
     def count(self, *states: ReplicaState) -> int:
         return sum(1 for r in self.replicas.values() if r.state in states)
@@ -124,6 +145,9 @@ def make_arrivals(trace: Trace, config: SimConfig) -> list[tuple[float, float, i
         t = k * config.dt_s
         for _ in range(_poisson(rng, trace.rate_per_s(t) * config.dt_s)):
             service = config.mean_service_s * rng.uniform(0.5, 1.5)
+            # Drawn only when asked for, so traces without long answers keep their arrivals.
+            if config.long_share and rng.random() < config.long_share:
+                service = config.long_service_s * rng.uniform(0.5, 1.5)
             out.append((t + rng.random() * config.dt_s, service, rng.randint(lo, hi)))
     return out
 
@@ -150,6 +174,7 @@ def simulate(
     for _ in range(config.needed(trace.rate_per_s(0.0))):
         pool.replicas[pool.start_replica(trace.name)].state = "ready"
     queue: deque[tuple[float, float, int]] = deque()
+    handed: deque[tuple[float, float, int, float]] = deque()  # (at_s, left_s, tokens, service_s)
     offered_at: deque[float] = deque()
     completed: deque[tuple[float, float]] = deque()  # (end_s, service_s)
     dispatched: deque[tuple[float, float]] = deque()  # (at_s, ttft_s)
@@ -159,10 +184,25 @@ def simulate(
     every = max(round(config.decide_every_s / dt), 1)
     i, k = 0, 0
 
-    def dispatch(req: tuple[float, float, int], at_s: float) -> bool:
+    def free_replica() -> _Replica | None:
         ready = [r for r in pool.replicas.values() if r.state == "ready"]
         target = min(ready, key=lambda r: len(r.inflight), default=None)
-        if target is None or len(target.inflight) >= cap:
+        return None if target is None or len(target.inflight) >= cap else target
+
+    def resume(stream: tuple[float, float, int, float], at_s: float) -> bool:
+        """A handed-over stream goes on elsewhere, ahead of queued requests."""
+        target = free_replica()
+        if target is None:
+            return False
+        handed_at, left_s, tokens, service_s = stream
+        heapq.heappush(target.inflight, (at_s + config.resume_s + left_s, tokens, service_s))
+        target.resident_tokens += tokens
+        res.resume_stall_s.append(at_s - handed_at + config.resume_s)
+        return True
+
+    def dispatch(req: tuple[float, float, int], at_s: float) -> bool:
+        target = free_replica()
+        if target is None:
             return False
         heapq.heappush(target.inflight, (at_s + req[1], req[2], req[1]))
         target.resident_tokens += req[2]
@@ -183,8 +223,16 @@ def simulate(
                 res.served += 1
             if r.state == "starting" and r.ready_at_s <= t:
                 r.state = "ready"
+            if r.state == "draining" and r.inflight and _grace_over(r, t, config):
+                for end, tokens, service in r.inflight:
+                    handed.append((t, end - t, tokens, service))
+                res.handed_over += len(r.inflight)
+                r.inflight, r.resident_tokens = [], 0
             if r.state == "draining" and not r.inflight:
                 del pool.replicas[r.replica_id]  # drained: it exits
+                res.drain_s.append(t - (r.draining_since_s or t))
+        while handed and resume(handed[0], t):
+            handed.popleft()
         while queue and dispatch(queue[0], t):
             queue.popleft()
         while i < len(arrivals) and arrivals[i][0] < t + dt:
@@ -218,12 +266,12 @@ def simulate(
                 res.time_to_capacity_s = max(res.time_to_capacity_s, t - short_since)
                 short_since = None
         else:
-            idle = not queue and not any(r.inflight for r in pool.replicas.values())
+            idle = not queue and not handed and not any(r.inflight for r in pool.replicas.values())
             if (idle and i == len(arrivals)) or t > trace.duration_s + config.max_tail_s:
                 break
         k += 1
     # Whatever is still resident when the run ends would be cut off by a hard stop.
-    res.stream_cuts = sum(len(r.inflight) for r in pool.replicas.values())
+    res.stream_cuts = sum(len(r.inflight) for r in pool.replicas.values()) + len(handed)
     if short_since is not None:
         res.time_to_capacity_s = max(res.time_to_capacity_s, trace.duration_s - short_since)
     res.flaps = sum(
@@ -232,6 +280,12 @@ def simulate(
         if d0 != d1 and t1 - t0 < flap_window_s
     )
     return res
+
+
+def _grace_over(replica: _Replica, now_s: float, config: SimConfig) -> bool:
+    grace = config.drain_grace_s
+    since = replica.draining_since_s
+    return grace is not None and since is not None and now_s - since >= grace
 
 
 def _signals(

@@ -42,3 +42,21 @@ def test_autoscaler_meets_the_targets_on_a_burst() -> None:
     # It did scale up, and back down with drains.
     assert res.peak_ordered > SIM.needed(4.0)
     assert any(d.drain for d in res.decisions)
+
+
+def test_a_drain_with_a_grace_hands_long_streams_over_and_exits_on_time() -> None:
+    long = dataclasses.replace(SIM, long_share=0.05, long_service_s=90.0)
+    # The burst, and time after it for the scale-down's drains to end within the trace.
+    trace = dataclasses.replace(BURST, duration_s=700.0)
+    arrivals = make_arrivals(trace, long)
+    waiting = simulate(policy_for(long).decide, trace, long, arrivals)
+    grace = dataclasses.replace(long, drain_grace_s=10.0)
+    handing = simulate(policy_for(grace).decide, trace, grace, arrivals)
+    for res in (waiting, handing):
+        assert res.served + res.refused == res.offered and res.stream_cuts == 0
+        assert len(res.ttft_s) == res.served  # a resumed stream is not a second request
+    assert waiting.handed_over == 0 and max(waiting.drain_s) > 30.0
+    assert handing.handed_over > 0 and len(handing.resume_stall_s) == handing.handed_over
+    assert max(handing.drain_s) <= 10.0 + SIM.dt_s
+    assert min(handing.resume_stall_s) >= grace.resume_s
+    assert handing.replica_seconds < waiting.replica_seconds
