@@ -131,6 +131,10 @@ def _long(sim: SimConfig) -> SimConfig:
     return dataclasses.replace(sim, long_share=LONG_SHARE)
 
 
+def _scaled(trace: Trace, scale: float) -> Trace:
+    return Trace(trace.name, trace.duration_s, lambda t: scale * trace.rate_per_s(t))
+
+
 def _drain_runs(traces: list[Trace], sim: SimConfig, bar: tqdm) -> dict[str, Any]:
     """The autoscaler with long answers in the mix, drained replicas waiting for their
     longest stream against handing it over after the grace; the same arrivals for both."""
@@ -139,7 +143,7 @@ def _drain_runs(traces: list[Trace], sim: SimConfig, bar: tqdm) -> dict[str, Any
     # The same slots' demand as the trace without long answers: its rates scaled down.
     scale = sim.mean_request_s / long_sim.mean_request_s
     for base in (traces[k] for k in DRAIN_TRACES):
-        trace = Trace(base.name, base.duration_s, lambda t, base=base: scale * base.rate_per_s(t))
+        trace = _scaled(base, scale)
         arrivals = make_arrivals(trace, long_sim)
         rows = {}
         for label, grace in (
