@@ -233,10 +233,16 @@ def _log_access(record: RequestRecord) -> None:
         "tokens": record.tokens,
         "latency_ms": latency_ms,
     }
-    resumed = ""
+    extra = ""
+    if record.first_token_s is not None:  # a stream: when its first token came
+        fields["ttft_ms"] = round(record.first_token_s * 1000)
+        extra += f" ttft_ms={fields['ttft_ms']}"
+        if record.predicted_ttft_s is not None:  # and when admission said it would
+            fields["predicted_ttft_ms"] = round(record.predicted_ttft_s * 1000)
+            extra += f" predicted_ttft_ms={fields['predicted_ttft_ms']}"
     if record.resumes:  # its stream went on on another replica (serving/resume.py)
         fields["resumes"] = record.resumes
-        resumed = f" resumes={record.resumes}"
+        extra += f" resumes={record.resumes}"
     access_log.info(
         "%s tenant=%s model=%s route=%s status=%d tokens=%d latency_ms=%d%s",
         record.path,
@@ -246,7 +252,7 @@ def _log_access(record: RequestRecord) -> None:
         record.status,
         record.tokens,
         latency_ms,
-        resumed,
+        extra,
         extra={"fields": fields},
     )
 

@@ -26,6 +26,9 @@ class RequestRecord:
     answered_at: float | None = None  # perf_counter when the answer began (a stream: committed)
     tokens: int = 0  # charged to the tenant, set at settlement
     resumes: int = 0  # times its stream went on on another replica (gateway/serving/resume.py)
+    # A stream's first token, seconds from arrival, and what admission predicted for it.
+    first_token_s: float | None = None
+    predicted_ttft_s: float | None = None
 
     def answer(self, status: int) -> None:
         """The answer begins with `status`."""

@@ -150,6 +150,9 @@ async def _relay_events(
                         last_at - flight.started_at, attempt.lease.ticket
                     )
                     attempt.first_token_s = time.perf_counter() - arrived_at
+                    if flight.record.first_token_s is None:  # not a resumed stream's
+                        flight.record.first_token_s = attempt.first_token_s
+                        flight.record.predicted_ttft_s = attempt.lease.ticket.predicted_ttft_s
                     if metrics is not None:
                         metrics.ttft.labels(pool).observe(attempt.first_token_s)
                 elif tokens > last_tokens:
