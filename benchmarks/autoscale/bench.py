@@ -222,6 +222,21 @@ DRAIN_COLUMNS = [
 ]
 
 
+def _section(
+    rows: dict[str, dict[str, Any]],
+    label: str,
+    columns: list[tuple[str, str]],
+    title: str,
+    verdict: dict[str, bool],
+) -> list[str]:
+    """One trace's table (a row per `label`) and its targets' verdict."""
+    table = [{label: k, **v} for k, v in rows.items()]
+    for row in table:
+        row["ttft_slo_attainment"] = f"{100 * row['ttft_slo_attainment']:.1f}%"
+    met = ", ".join(f"{k} {'met' if ok else 'MISSED'}" for k, ok in verdict.items())
+    return [markdown_table(table, columns) + "\n", f"{title}: {met}\n"]
+
+
 def _markdown(data: dict[str, Any], sim: SimConfig) -> str:
     parts = ["**Quick smoke run: these figures are not the benchmark.**\n"] if data["quick"] else []
     parts.append(
@@ -232,16 +247,7 @@ def _markdown(data: dict[str, Any], sim: SimConfig) -> str:
     )
     for name, rows in data["traces"].items():
         parts.append(f"### {name}\n")
-        table = [{"policy": k, **v} for k, v in rows.items()]
-        for row in table:
-            row["ttft_slo_attainment"] = f"{100 * row['ttft_slo_attainment']:.1f}%"
-        parts.append(markdown_table(table, COLUMNS) + "\n")
-        verdict = data["targets"][name]
-        parts.append(
-            "Targets (autoscaler): "
-            + ", ".join(f"{k} {'met' if ok else 'MISSED'}" for k, ok in verdict.items())
-            + "\n"
-        )
+        parts += _section(rows, "policy", COLUMNS, "Targets (autoscaler)", data["targets"][name])
     parts.append(
         "## Drain: waiting for the longest stream, or handing it over\n\n"
         f"The autoscaler again, {100 * LONG_SHARE:g}% of requests now long answers "
@@ -255,14 +261,7 @@ def _markdown(data: dict[str, Any], sim: SimConfig) -> str:
     )
     for name, rows in data["drain"].items():
         parts.append(f"### {name}, {100 * LONG_SHARE:g}% long answers\n")
-        table = [{"drain": k, **v} for k, v in rows.items()]
-        for row in table:
-            row["ttft_slo_attainment"] = f"{100 * row['ttft_slo_attainment']:.1f}%"
-        parts.append(markdown_table(table, DRAIN_COLUMNS) + "\n")
-        verdict = data["targets"][f"drain: {name}"]
-        parts.append(
-            "Targets: "
-            + ", ".join(f"{k} {'met' if ok else 'MISSED'}" for k, ok in verdict.items())
-            + "\n"
+        parts += _section(
+            rows, "drain", DRAIN_COLUMNS, "Targets", data["targets"][f"drain: {name}"]
         )
     return "\n".join(parts)
