@@ -111,8 +111,8 @@ def run_autoscale_bench(opts: AutoscaleBenchOptions) -> dict[str, Any]:
             row["vs_instant"] = row["replica_seconds"] / rows["oracle-instant"]["replica_seconds"]
             row["vs_lead"] = row["replica_seconds"] / rows["oracle-lead"]["replica_seconds"]
         data["traces"][trace.name] = rows
-    bar.close()
     data["drain"] = _drain_runs(traces, sim, bar)
+    bar.close()
     data["targets"] = _targets(data)
     md = _markdown(data, sim)
     json_path, md_path = write_report(opts.out_dir, "autoscale", data, md)

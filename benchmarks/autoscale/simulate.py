@@ -102,7 +102,7 @@ class _Replica:
     inflight: list[tuple[float, int, float]] = field(default_factory=list)  # heap: end_s,
     # tokens, service_s
     resident_tokens: int = 0
-    draining_since_s: float | None = None
+    draining_since_s: float = 0.0  # set when it is told to drain
 
 
 class SimPool:
@@ -230,7 +230,7 @@ def simulate(
                 r.inflight, r.resident_tokens = [], 0
             if r.state == "draining" and not r.inflight:
                 del pool.replicas[r.replica_id]  # drained: it exits
-                res.drain_s.append(t - (r.draining_since_s or t))
+                res.drain_s.append(t - r.draining_since_s)
         while handed and resume(handed[0], t):
             handed.popleft()
         while queue and dispatch(queue[0], t):
@@ -284,8 +284,7 @@ def simulate(
 
 def _grace_over(replica: _Replica, now_s: float, config: SimConfig) -> bool:
     grace = config.drain_grace_s
-    since = replica.draining_since_s
-    return grace is not None and since is not None and now_s - since >= grace
+    return grace is not None and now_s - replica.draining_since_s >= grace
 
 
 def _signals(
