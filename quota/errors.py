@@ -1,6 +1,12 @@
 """Errors of the quota package. Each carries data; none knows HTTP (the gateway maps them)."""
 
-QUOTA_KINDS = ("tokens_per_minute", "tokens_per_day", "requests_per_minute", "concurrency")
+QUOTA_KINDS = (
+    "tokens_per_minute",
+    "tokens_per_day",
+    "requests_per_minute",
+    "concurrency",
+    "budget",
+)
 
 
 class QuotaError(Exception):
@@ -49,6 +55,30 @@ class QuotaExceeded(QuotaError):
         self.retry_after_s = retry_after_s
         self.limit = limit
         self.remaining = remaining
+
+
+class BudgetExceeded(QuotaExceeded):
+    """A reservation would take spend past a hard money budget; nothing was charged.
+    Amounts in nanos of the gateway's currency (`quota.budget`); `limit` and `remaining`
+    are too. `resets_at_s`: unix seconds when the period's spend next drops. `holder`:
+    "tenant" or "key" (whose budget refused)."""
+
+    def __init__(
+        self,
+        retry_after_s: float,
+        hard_nanos: int,
+        spent_nanos: int,
+        period: str,
+        resets_at_s: float,
+        holder: str = "tenant",
+    ) -> None:
+        super().__init__(
+            "budget", "budget_exceeded", retry_after_s, hard_nanos, max(0, hard_nanos - spent_nanos)
+        )
+        self.spent_nanos = spent_nanos
+        self.period = period
+        self.resets_at_s = resets_at_s
+        self.holder = holder
 
 
 class QuotaUnavailable(QuotaError):

@@ -40,6 +40,9 @@ class Settlement:
       what is charged if the gateway dies before the request ends; True once usage is known.
     usage: the request's usage record (`quota.usage.usage_record`), written with the
       settlement in the same script call; None: nothing to record.
+    delta_cost_nanos: money, as `delta_tokens` is for tokens (`quota.budget`): actual -
+      reserved (checked) or the actual cost (unchecked), corrected on the spend counters of
+      `day` and its month.
     """
 
     tenant_id: str
@@ -51,6 +54,7 @@ class Settlement:
     owner_id: str | None = None
     final: bool = True
     usage: str | None = None
+    delta_cost_nanos: int = 0
 
 
 def journal_path(directory: str | Path, owner_id: str) -> Path:

@@ -13,6 +13,8 @@ Layout:
     sy:{t}:swept:<request_id>         the pending hash, moved there by a sweep: a late reconcile
                                       still applies its delta, once
     sy:{t}:charged:<request_id>       done marker of an unchecked (fail-open) charge
+    sy:{t}:spend:d:<day>  sy:{t}:spend:m:<month>   money charged (nanos; `quota.budget`)
+    sy:{t}:soft:<period id>           a budget's soft threshold was crossed in that period
     sy:owners                         sorted set: owner id -> last heartbeat (server ms)
     sy:owner:{o}                      an owner's (gateway's) heartbeat, with a TTL of seconds
     sy:owner:{o}:pending              sorted set of "<tenant>|<request id>" the owner reserved
@@ -78,6 +80,18 @@ def swept(tenant_id: str, request_id: str) -> str:
 
 def charged(tenant_id: str, request_id: str) -> str:
     return f"{tenant_prefix(tenant_id)}charged:{request_id}"
+
+
+def spend_day(tenant_id: str, day: int) -> str:
+    return f"{tenant_prefix(tenant_id)}spend:d:{day}"
+
+
+def spend_month(tenant_id: str, month: int) -> str:
+    return f"{tenant_prefix(tenant_id)}spend:m:{month}"
+
+
+def soft_crossed(tenant_id: str, period_id: str) -> str:
+    return f"{tenant_prefix(tenant_id)}soft:{period_id}"
 
 
 OWNERS = "sy:owners"

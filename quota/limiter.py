@@ -16,6 +16,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from quota import keyspace
+from quota.budget import Budget, spend_windows
 from quota.errors import QuotaUnavailable
 from quota.journal import ReconcileJournal, Settlement
 from quota.models import Tenant
@@ -58,6 +59,9 @@ class Reservation:
     checked: bool = True  # False: Redis was down and every limit class failed open
     reconciled: bool = False  # set by reconcile; a second reconcile does nothing
     owner_id: str | None = None  # the gateway whose pending index holds it; None: not indexed
+    cost_nanos: int = 0  # money reserved: the request's worst case (quota.budget)
+    spent_nanos: int = 0  # the budget period's spend after this reservation (0: no budget)
+    soft_crossed: bool = False  # this reservation crossed its holder's soft budget, first
 
 
 class QuotaLimiter:
@@ -129,27 +133,30 @@ class QuotaLimiter:
         )
 
     async def reserve(
-        self, tenant: Tenant, request_id: str, tokens: int
+        self, tenant: Tenant, request_id: str, tokens: int, cost_nanos: int = 0
     ) -> tuple[Reservation, RateLimitState]:
         """Charge `tokens` (prompt + max_tokens) and one request to every window of the tenant,
         and take a concurrency slot if it has max_concurrent: all or nothing. Calling it again
-        with the same request id (before its reconcile) charges nothing more.
+        with the same request id (before its reconcile) charges nothing more. `cost_nanos`:
+        the request's worst-case cost, charged to the tenant's spend and refused
+        (BudgetExceeded) past its hard budget, `tenant.budget`.
 
         Raises QuotaExceeded (nothing charged) or, with Redis unreachable and a limited class
         failing closed, QuotaUnavailable. Failing open gives `checked=False` and a state of
         Nones (journaled, so it is charged even if this gateway dies). Every reservation must
         be reconciled, even at 0 tokens, to free its slot.
         """
-        if tokens < 0:
-            raise ValueError("tokens must be >= 0")
+        if tokens < 0 or cost_nanos < 0:
+            raise ValueError("tokens and cost_nanos must be >= 0")
         try:
-            reply = await self._run_reserve(tenant, request_id, tokens)
+            reply = await self._run_reserve(tenant, request_id, tokens, cost_nanos)
         except REDIS_DOWN as exc:
             self._note_down(exc)
-            return self._reserve_unchecked(tenant, request_id, tokens)
+            return self._reserve_unchecked(tenant, request_id, tokens, cost_nanos)
         self._note_up()
         if reply.status != STATUS_ADMITTED:
-            raise exceeded_error(tenant.limits, reply)
+            holder = "key" if tenant.tenant_id.startswith(keyspace.KEY_QUOTA_PREFIX) else "tenant"
+            raise exceeded_error(tenant.limits, reply, tenant.budget, holder)
         assert reply.windows is not None
         reservation = Reservation(
             tenant_id=tenant.tenant_id,
@@ -159,11 +166,18 @@ class QuotaLimiter:
             day=reply.windows.day,
             holds_slot=tenant.limits.max_concurrent is not None,
             owner_id=self.owner_id,
+            cost_nanos=cost_nanos,
+            spent_nanos=reply.spent_nanos,
+            soft_crossed=reply.soft_crossed,
         )
         return reservation, rate_limit_state(tenant.limits, reply)
 
     async def reconcile(
-        self, reservation: Reservation, actual_tokens: int, usage: str | None = None
+        self,
+        reservation: Reservation,
+        actual_tokens: int,
+        usage: str | None = None,
+        actual_cost_nanos: int = 0,
     ) -> None:
         """Correct the windows the reservation was charged to by (actual - reserved), clamped at
         zero, and release its concurrency slot. Idempotent: only the first call acts, here and
@@ -172,10 +186,17 @@ class QuotaLimiter:
         the reservation stays charged, its slot frees at lease end). An unchecked reservation
         charges `actual_tokens` to the current windows instead, once. `usage`: the request's
         usage record (`quota.usage.usage_record`), written with the settlement, so also once
-        and also through the journal."""
+        and also through the journal. `actual_cost_nanos`: the money the request cost,
+        corrected on its spend counters as its tokens are (0: all of the reservation's cost
+        is given back)."""
         if reservation.reconciled:
             return
-        settlement = self._settlement(reservation, max(0, int(actual_tokens)), usage=usage)
+        settlement = self._settlement(
+            reservation,
+            max(0, int(actual_tokens)),
+            usage=usage,
+            actual_cost=max(0, int(actual_cost_nanos)),
+        )
         try:
             await self.scripts.settle(settlement)
         except REDIS_DOWN as exc:
@@ -218,7 +239,27 @@ class QuotaLimiter:
             "concurrent_requests": int(conc),
         }
 
-    async def _run_reserve(self, tenant: Tenant, request_id: str, tokens: int) -> ReserveReply:
+    async def spent(self, holder_id: str, budget: Budget) -> tuple[int, float]:
+        """(nanos spent in `budget`'s current period, Redis server time in unix seconds), read
+        from the holder's spend counters (a tenant id, or a key's `keyspace.key_quota_id`).
+        Raises QuotaUnavailable if Redis is unreachable."""
+        try:
+            sec, usec = await self._redis.time()
+            now_s = sec + usec / 1e6
+            spend = spend_windows(windows_at(now_s).day, budget)
+            if budget.period == "month":
+                keys = [keyspace.spend_month(holder_id, spend.month)]
+            else:
+                days = (spend.day, *spend.earlier_days)
+                keys = [keyspace.spend_day(holder_id, d) for d in days]
+            values = await self._redis.mget(keys)
+        except REDIS_DOWN as exc:
+            raise QuotaUnavailable(UNAVAILABLE_RETRY_AFTER_S) from exc
+        return sum(int(v or 0) for v in values), now_s
+
+    async def _run_reserve(
+        self, tenant: Tenant, request_id: str, tokens: int, cost_nanos: int
+    ) -> ReserveReply:
         windows = self._guess_windows()
         for _ in range(_RESERVE_ATTEMPTS):
             reply = await self.scripts.reserve(
@@ -229,6 +270,8 @@ class QuotaLimiter:
                 windows,
                 self._lease_ms,
                 self.owner_id,
+                cost_nanos,
+                tenant.budget,
             )
             self._offset_s = reply.server_now_s - self._clock()
             if reply.status != STATUS_STALE_WINDOWS:
@@ -237,9 +280,9 @@ class QuotaLimiter:
         raise RuntimeError("the reserve script kept reporting stale windows")
 
     def _reserve_unchecked(
-        self, tenant: Tenant, request_id: str, tokens: int
+        self, tenant: Tenant, request_id: str, tokens: int, cost_nanos: int
     ) -> tuple[Reservation, RateLimitState]:
-        decisions = unavailable_decisions(tenant.limits, self._policy)
+        decisions = unavailable_decisions(tenant.limits, self._policy, tenant.budget)
         for limit_class, decision in decisions.items():
             self._redis_errors.labels(limit_class=limit_class, decision=decision).inc()
         closed = [cls for cls, decision in decisions.items() if decision == "closed"]
@@ -255,14 +298,27 @@ class QuotaLimiter:
                 self._journal(void, kind="void")
             raise QuotaUnavailable(UNAVAILABLE_RETRY_AFTER_S, limit_class=closed[0])
         reservation = Reservation(
-            tenant.tenant_id, request_id, tokens, checked=False, owner_id=self.owner_id
+            tenant.tenant_id,
+            request_id,
+            tokens,
+            checked=False,
+            owner_id=self.owner_id,
+            cost_nanos=cost_nanos,
         )
         if self.journal is not None:  # charged the reservation if we die before reconcile
-            self._journal(self._settlement(reservation, tokens, final=False))
+            self._journal(
+                self._settlement(reservation, tokens, final=False, actual_cost=cost_nanos)
+            )
         return reservation, unlimited_state()
 
     def _settlement(
-        self, reservation: Reservation, actual: int, *, final: bool = True, usage: str | None = None
+        self,
+        reservation: Reservation,
+        actual: int,
+        *,
+        final: bool = True,
+        usage: str | None = None,
+        actual_cost: int = 0,
     ) -> Settlement:
         r = reservation
         if r.checked and r.minute is not None and r.day is not None:
@@ -275,10 +331,20 @@ class QuotaLimiter:
                 actual - r.tokens,
                 r.owner_id,
                 usage=usage,
+                delta_cost_nanos=actual_cost - r.cost_nanos,
             )
         w = self._guess_windows()
         return Settlement(
-            r.tenant_id, r.request_id, False, w.minute, w.day, actual, r.owner_id, final, usage
+            r.tenant_id,
+            r.request_id,
+            False,
+            w.minute,
+            w.day,
+            actual,
+            r.owner_id,
+            final,
+            usage,
+            delta_cost_nanos=actual_cost,
         )
 
     def _journal(self, settlement: Settlement, kind: str | None = None) -> None:

@@ -6,6 +6,7 @@ Times are unix seconds (float). A limit of `None` means unlimited.
 import re
 from dataclasses import dataclass, fields
 
+from quota.budget import Budget
 from quota.errors import InvalidLimits
 from quota.keyspace import RESERVED_TENANT_PREFIXES
 
@@ -35,6 +36,7 @@ class Tenant:
     # so a tenant cannot promote itself; it may always ask to be served later.
     priority_ceiling: int = 0
     created_at: float = 0.0  # unix seconds
+    budget: Budget | None = None  # a spending limit in money (quota.budget); None: none
 
 
 @dataclass
@@ -51,6 +53,8 @@ class ApiKeyRecord:
     # The key's own limits, counted over this key's requests only, on top of its tenant's
     # (a request must fit both). None: only the tenant's limits apply.
     limits: "TenantLimits | None" = None
+    # The key's own money budget, over this key's requests only, on top of its tenant's.
+    budget: Budget | None = None
 
 
 @dataclass

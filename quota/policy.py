@@ -7,7 +7,8 @@ days), both from the Redis server clock. Times in seconds unless a name says oth
 
 from dataclasses import dataclass
 
-from quota.errors import QuotaExceeded
+from quota.budget import Budget, resets_at_s
+from quota.errors import BudgetExceeded, QuotaExceeded
 from quota.models import TenantLimits
 
 MINUTE_S = 60
@@ -21,12 +22,13 @@ UNAVAILABLE_RETRY_AFTER_S = 1.0
 # Bits of the reserve script's fail mask, in the order a refusal is reported: the limit that
 # frees last first, so a client that waits Retry-After is not refused again by another limit.
 FAIL_BITS = {
+    "budget": 16,
     "tokens_per_day": 2,
     "tokens_per_minute": 1,
     "requests_per_minute": 4,
     "concurrency": 8,
 }
-LIMIT_CLASSES = ("tokens", "requests", "concurrency")
+LIMIT_CLASSES = ("tokens", "requests", "concurrency", "budget")
 STATUS_ADMITTED, STATUS_REFUSED, STATUS_STALE_WINDOWS = 1, 0, -1
 
 
@@ -38,6 +40,7 @@ class FailurePolicy:
     tokens: str = "open"  # tokens_per_minute and tokens_per_day
     requests: str = "open"  # requests_per_minute
     concurrency: str = "open"  # max_concurrent
+    budget: str = "open"  # a hard money budget (`quota.budget`)
 
     def __post_init__(self) -> None:
         for name in LIMIT_CLASSES:
@@ -75,6 +78,8 @@ class ReserveReply:
     num_concurrent: int = 0
     fail_mask: int = 0
     windows: Windows | None = None  # the windows charged when admitted (None: stale windows)
+    spent_nanos: int = 0  # money spent in the budget's period, after the charge if admitted
+    soft_crossed: bool = False  # this reservation crossed the soft budget, first in its period
 
 
 def windows_at(now_s: float) -> Windows:
@@ -95,6 +100,7 @@ def parse_reserve_reply(reply: list[int]) -> ReserveReply:
     status, sec, usec, *rest = (int(x) for x in reply)
     windows = Windows(rest[5], rest[6]) if len(rest) >= 7 else None
     counts = (rest + [0] * 5)[:5]
+    spent, crossed = (rest[7], rest[8]) if len(rest) >= 9 else (0, 0)
     return ReserveReply(
         status,
         sec + usec / 1e6,
@@ -104,6 +110,8 @@ def parse_reserve_reply(reply: list[int]) -> ReserveReply:
         num_concurrent=counts[3],
         fail_mask=counts[4],
         windows=windows,
+        spent_nanos=spent,
+        soft_crossed=bool(crossed),
     )
 
 
@@ -121,9 +129,22 @@ def retry_after_s(kind: str, now_s: float) -> float:
     return CONCURRENCY_RETRY_AFTER_S
 
 
-def exceeded_error(limits: TenantLimits, reply: ReserveReply) -> QuotaExceeded:
+def exceeded_error(
+    limits: TenantLimits, reply: ReserveReply, budget: Budget | None = None, holder: str = "tenant"
+) -> QuotaExceeded:
     """The error for a refused reservation: the most binding limit it broke."""
     kind = refused_kinds(reply.fail_mask)[0]
+    if kind == "budget":
+        assert budget is not None and budget.hard_nanos is not None
+        resets = resets_at_s(reply.server_now_s, budget)
+        return BudgetExceeded(
+            max(1.0, resets - reply.server_now_s),
+            budget.hard_nanos,
+            reply.spent_nanos,
+            budget.period,
+            resets,
+            holder,
+        )
     limit, used = {
         "tokens_per_day": (limits.tokens_per_day, reply.tokens_day),
         "tokens_per_minute": (limits.tokens_per_minute, reply.tokens_minute),
@@ -155,7 +176,9 @@ def unlimited_state() -> RateLimitState:
     return RateLimitState(None, None, None, None, None, None)
 
 
-def unavailable_decisions(limits: TenantLimits, policy: FailurePolicy) -> dict[str, str]:
+def unavailable_decisions(
+    limits: TenantLimits, policy: FailurePolicy, budget: Budget | None = None
+) -> dict[str, str]:
     """Per limit class, "open" or "closed" while Redis is unreachable. Token and request counts
     are always kept (for usage), concurrency only under a max_concurrent; a class without a
     limit for this tenant has nothing to enforce and is open whatever the policy."""
@@ -163,11 +186,12 @@ def unavailable_decisions(limits: TenantLimits, policy: FailurePolicy) -> dict[s
         "tokens": limits.tokens_per_minute is not None or limits.tokens_per_day is not None,
         "requests": limits.requests_per_minute is not None,
         "concurrency": limits.max_concurrent is not None,
+        "budget": budget is not None and budget.hard_nanos is not None,
     }
     return {
         cls: getattr(policy, cls) if limited[cls] else "open"
         for cls in LIMIT_CLASSES
-        if cls != "concurrency" or limited[cls]
+        if cls not in ("concurrency", "budget") or limited[cls]
     }
 
 

@@ -9,6 +9,13 @@ import redis.asyncio
 from redis.commands.core import AsyncScript
 
 from quota import keyspace
+from quota.budget import (
+    SPEND_DAY_TTL_S,
+    SPEND_MONTH_TTL_S,
+    Budget,
+    month_of_day,
+    spend_windows,
+)
 from quota.journal import Settlement
 from quota.models import TenantLimits
 from quota.pipelined import PipelinedRedis
@@ -69,9 +76,19 @@ class QuotaScripts:
         windows: Windows,
         lease_ms: int,
         owner_id: str | None,
+        cost_nanos: int = 0,
+        budget: Budget | None = None,
     ) -> ReserveReply:
         """One reserve attempt against `windows` (see reserve.lua for the statuses).
-        `owner_id`: the gateway indexing the reservation for sweeps; None: not indexed."""
+        `owner_id`: the gateway indexing the reservation for sweeps; None: not indexed.
+        `cost_nanos`: the request's worst-case cost, charged to the spend counters and
+        checked against `budget`'s hard limit."""
+        spend = spend_windows(windows.day, budget)
+        period_id = (
+            f"m{spend.month}"
+            if budget is not None and budget.period == "month"
+            else f"d{spend.day}"
+        )
         keys = [
             keyspace.tokens_minute(tenant_id, windows.minute),
             keyspace.tokens_day(tenant_id, windows.day),
@@ -79,6 +96,10 @@ class QuotaScripts:
             keyspace.concurrency(tenant_id),
             keyspace.pending(tenant_id, request_id),
             keyspace.owner_pending(owner_id or "-"),
+            keyspace.spend_day(tenant_id, spend.day),
+            keyspace.spend_month(tenant_id, spend.month),
+            keyspace.soft_crossed(tenant_id, period_id),
+            *(keyspace.spend_day(tenant_id, d) for d in spend.earlier_days),
         ]
         args = [
             windows.minute,
@@ -95,6 +116,13 @@ class QuotaScripts:
             PENDING_TTL_S,
             owner_id or "",
             keyspace.pending_member(tenant_id, request_id),
+            int(cost_nanos),
+            limit_arg(budget.hard_nanos if budget else None),
+            limit_arg(budget.soft_nanos if budget else None),
+            budget.period if budget else "",
+            SPEND_DAY_TTL_S,
+            SPEND_MONTH_TTL_S,
+            SPEND_MONTH_TTL_S,
         ]
         return parse_reserve_reply(await self._run(self._reserve, keys, args))
 
@@ -115,6 +143,8 @@ class QuotaScripts:
             day_key(tid, day),
             recent_key(tid),
             key_use_key(tid),
+            keyspace.spend_day(tid, s.day),
+            keyspace.spend_month(tid, month_of_day(s.day)),
         ]
         member = keyspace.pending_member(tid, rid) if s.owner_id else ""
         args = [
@@ -129,6 +159,9 @@ class QuotaScripts:
             self.usage.hour_retention_s,
             self.usage.day_retention_s,
             self.usage.recent_max,
+            s.delta_cost_nanos,
+            SPEND_DAY_TTL_S,
+            SPEND_MONTH_TTL_S,
         ]
         return bool(await self._run(self._reconcile, keys, args))
 

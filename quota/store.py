@@ -20,6 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
 from quota import apikeys, keyspace
+from quota.budget import Budget, budget_from_doc, budget_to_doc
 from quota.errors import InvalidLimits, QuotaUnavailable, TenantExists, TenantNotFound
 from quota.models import (
     ApiKeyRecord,
@@ -34,6 +35,13 @@ from quota.models import (
 )
 
 STORE_RETRY_AFTER_S = 1.0
+
+
+class KeepType:
+    """`update_tenant(budget=KEEP)`: leave the field as it is (None removes it)."""
+
+
+KEEP = KeepType()
 _KEY_ID_ATTEMPTS = 8
 
 P = ParamSpec("P")
@@ -62,6 +70,7 @@ def _tenant_from_doc(doc: dict[str, Any]) -> Tenant:
         allow_overflow=bool(doc["allow_overflow"]),
         priority_ceiling=int(doc.get("priority_ceiling", 0)),
         created_at=float(doc["created_at"]),
+        budget=budget_from_doc(doc.get("budget")),
     )
 
 
@@ -70,6 +79,8 @@ def _key_from_doc(doc: dict[str, Any]) -> ApiKeyRecord:
     record = ApiKeyRecord(**{k: v for k, v in doc.items() if k in fields})
     if isinstance(record.limits, dict):
         record.limits = TenantLimits(**record.limits)
+    if isinstance(record.budget, dict):
+        record.budget = budget_from_doc(record.budget)
     return record
 
 
@@ -107,6 +118,7 @@ class TenantStore:
         allowed_models: Sequence[str] = (),
         allow_overflow: bool = True,
         priority_ceiling: int = 0,
+        budget: Budget | None = None,
     ) -> Tenant:
         """Raises InvalidLimits on a bad id, limit or model list; TenantExists if taken."""
         tenant = Tenant(
@@ -117,6 +129,7 @@ class TenantStore:
             allow_overflow=bool(allow_overflow),
             priority_ceiling=validate_priority_ceiling(priority_ceiling),
             created_at=self._clock(),
+            budget=budget,
         )
         doc = {**asdict(tenant), "uid": uuid.uuid4().hex}
         if not await self._redis.set(keyspace.tenant_record(tenant_id), json.dumps(doc), nx=True):
@@ -150,8 +163,10 @@ class TenantStore:
         allowed_models: Sequence[str] | None = None,
         allow_overflow: bool | None = None,
         priority_ceiling: int | None = None,
+        budget: Budget | None | KeepType = KEEP,
     ) -> Tenant:
-        """Change the fields given (None = keep). `limits` replaces all limits at once."""
+        """Change the fields given (None = keep). `limits` replaces all limits at once.
+        `budget`: KEEP leaves it, None removes it, a Budget replaces it."""
         changes: dict[str, Any] = {}
         if name is not None:
             changes["name"] = str(name)
@@ -163,6 +178,8 @@ class TenantStore:
             changes["allow_overflow"] = bool(allow_overflow)
         if priority_ceiling is not None:
             changes["priority_ceiling"] = validate_priority_ceiling(priority_ceiling)
+        if not isinstance(budget, KeepType):
+            changes["budget"] = budget_to_doc(budget)
         doc = None
         if is_valid_tenant_id(tenant_id):
             doc = await self._modify(keyspace.tenant_record(tenant_id), changes)
@@ -207,6 +224,7 @@ class TenantStore:
         name: str | None = None,
         expires_at: float | None = None,
         limits: TenantLimits | None = None,
+        budget: Budget | None = None,
     ) -> IssuedKey:
         """Issue a key. `expires_at`: unix seconds, None = never. `limits`: the key's own
         limits (see ApiKeyRecord), None = the tenant's only. Raises TenantNotFound, or
@@ -239,6 +257,7 @@ class TenantStore:
                 expires_at=None if expires_at is None else float(expires_at),
                 revoked=False,
                 limits=limits,
+                budget=budget,
             )
             doc = {
                 **asdict(record),

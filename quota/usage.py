@@ -13,7 +13,10 @@ Layout (tenant hash tag, see `quota.keyspace`):
     sy:{t}:ud:<day>    the same per UTC day, day = floor(unix_s / 86400)
     sy:{t}:recent      list of JSON lines, newest first, capped
     sy:{t}:keyuse      hash key id -> unix s of its last settled request (key last use)
-Fields: n (requests), err (status >= 400), prompt, cached, completion, lat_ms (sum).
+Fields: n (requests), err (status >= 400), prompt, cached, completion, lat_ms (sum), cost
+(money, nanos: `quota.budget`); under the pool that answered an `auto` request also auto_n,
+auto_cost, auto_if_large and auto_if_small (what the same tokens would have cost all on the
+large pool, all on the small one), auto_esc (escalated) and auto_over (overflowed).
 """
 
 import json
@@ -27,10 +30,25 @@ import msgspec
 if TYPE_CHECKING:
     import redis.asyncio
 
+from quota.budget import NANOS
 from quota.keyspace import tenant_prefix
 
 GROUPS = ("model", "day", "hour", "key")
-FIELDS = ("n", "err", "prompt", "cached", "completion", "lat_ms")
+FIELDS = (
+    "n",
+    "err",
+    "prompt",
+    "cached",
+    "completion",
+    "lat_ms",
+    "cost",
+    "auto_n",
+    "auto_cost",
+    "auto_if_large",
+    "auto_if_small",
+    "auto_esc",
+    "auto_over",
+)
 HOUR_S = 3600
 DAY_S = 86400
 
@@ -71,6 +89,19 @@ class UsagePart:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    cost_nanos: int = 0  # what it was charged, at the pool's price when it was admitted
+
+
+@dataclass(frozen=True)
+class AutoCost:
+    """An `auto` request's cost beside what the same tokens would have cost on each pool of
+    the cascade (nanos), and how it was routed."""
+
+    cost_nanos: int
+    if_large_nanos: int
+    if_small_nanos: int
+    escalated: bool
+    overflowed: bool
 
 
 def usage_record(
@@ -83,6 +114,7 @@ def usage_record(
     latency_ms: int,
     parts: Sequence[UsagePart],
     finished_at_s: float,
+    auto: AutoCost | None = None,
 ) -> str:
     """The JSON reconcile.lua applies: counters under `model` (who answered) and tokens under
     each part's model, in the hour and day of `finished_at_s`; one line in the recent log.
@@ -91,6 +123,7 @@ def usage_record(
     prompt = sum(p.prompt_tokens for p in parts)
     cached = sum(p.cached_tokens for p in parts)
     completion = sum(p.completion_tokens for p in parts)
+    cost = sum(p.cost_nanos for p in parts)
     line = {
         "request_id": request_id,
         "time": round(finished_at_s, 3),
@@ -102,23 +135,32 @@ def usage_record(
         "cached_tokens": cached,
         "completion_tokens": completion,
         "latency_ms": latency_ms,
+        "cost": cost / NANOS,
     }
+    record: dict[str, Any] = {
+        "hour": int(finished_at_s // HOUR_S),
+        "day": int(finished_at_s // DAY_S),
+        "model": model,
+        "key": key,
+        "ts": round(finished_at_s, 3),
+        "err": 1 if status >= 400 else 0,
+        "lat_ms": int(latency_ms),
+        "parts": [
+            [p.model, p.prompt_tokens, p.cached_tokens, p.completion_tokens, p.cost_nanos]
+            for p in parts
+        ],
+        "line": _encode(line),
+    }
+    if auto is not None:  # absent otherwise: reconcile.lua reads any value as an auto request
+        record["auto"] = [
+            auto.cost_nanos,
+            auto.if_large_nanos,
+            auto.if_small_nanos,
+            int(auto.escalated),
+            int(auto.overflowed),
+        ]
     # msgspec: this runs once per request (json.dumps twice cost ~4% of its CPU).
-    return _encode(
-        {
-            "hour": int(finished_at_s // HOUR_S),
-            "day": int(finished_at_s // DAY_S),
-            "model": model,
-            "key": key,
-            "ts": round(finished_at_s, 3),
-            "err": 1 if status >= 400 else 0,
-            "lat_ms": int(latency_ms),
-            "parts": [
-                [p.model, p.prompt_tokens, p.cached_tokens, p.completion_tokens] for p in parts
-            ],
-            "line": _encode(line),
-        }
-    )
+    return _encode(record)
 
 
 def record_buckets(usage_json: str) -> tuple[int, int]:
@@ -212,6 +254,13 @@ def aggregate(
             completion_tokens=t["completion"],
             total_tokens=t["prompt"] + t["completion"],
             mean_latency_ms=round(t["lat_ms"] / t["n"]) if t["n"] else None,
+            cost=t["cost"] / NANOS,
+            auto_requests=t["auto_n"],
+            auto_cost=t["auto_cost"] / NANOS,
+            auto_cost_if_all_large=t["auto_if_large"] / NANOS,
+            auto_cost_if_all_small=t["auto_if_small"] / NANOS,
+            auto_escalated=t["auto_esc"],
+            auto_overflowed=t["auto_over"],
         )
         rows.append(row)
     return rows

@@ -14,6 +14,8 @@
 -- KEYS[9] usage of the request's day                         sy:{t}:ud:<day>
 -- KEYS[10] the tenant's recent-request log                   sy:{t}:recent
 -- KEYS[11] last use of each of the tenant's keys             sy:{t}:keyuse (key id -> unix s)
+-- KEYS[12] money spent on the request's day                  sy:{t}:spend:d:<day>
+-- KEYS[13] money spent in the request's month                sy:{t}:spend:m:<month>
 -- ARGV[1] token delta: actual - reserved (may be negative); for "unchecked", actual
 -- ARGV[2] "checked": a reservation made by reserve.lua. It acts if its pending marker exists
 --           (and releases the slot) or, once its owner was swept as dead, if the swept
@@ -32,6 +34,9 @@
 --         settlement acts, so a request's usage is recorded exactly once
 -- ARGV[9] TTL of the hour usage hash, s;  ARGV[10] of the day hash, s
 -- ARGV[11] most lines kept in the recent log
+-- ARGV[12] money delta, nanos, as ARGV[1] is for tokens: actual - reserved (checked), actual
+--          (unchecked: a reservation found after all is subtracted, as for tokens)
+-- ARGV[13] TTL of a day's spend counter created here, s;  ARGV[14] of a month's
 --
 -- Returns 1 when applied, 0 when it was already settled (nothing done).
 -- Counters are clamped at zero; a lowered counter that has already expired stays absent.
@@ -39,6 +44,7 @@
 if ARGV[7] ~= '' then redis.call('ZREM', KEYS[7], ARGV[7]) end
 
 local delta = tonumber(ARGV[1])
+local cost_delta = tonumber(ARGV[12])
 
 if ARGV[2] == 'checked' then
   if redis.call('DEL', KEYS[4]) == 1 then
@@ -48,32 +54,40 @@ if ARGV[2] == 'checked' then
   end
 elseif ARGV[2] == 'unchecked' then
   if not redis.call('SET', KEYS[6], '1', 'NX', 'EX', ARGV[6]) then return 0 end
-  local reserved = redis.call('HGET', KEYS[4], 'tokens')
-  if reserved then
+  local marker = KEYS[4]
+  local reserved = redis.call('HMGET', marker, 'tokens', 'cost')
+  if reserved[1] then
     redis.call('DEL', KEYS[4])
     redis.call('ZREM', KEYS[3], ARGV[3])
   else
-    reserved = redis.call('HGET', KEYS[5], 'tokens')
-    if reserved then redis.call('DEL', KEYS[5]) end
+    reserved = redis.call('HMGET', KEYS[5], 'tokens', 'cost')
+    if reserved[1] then redis.call('DEL', KEYS[5]) end
   end
-  if reserved then delta = delta - tonumber(reserved) end
+  if reserved[1] then
+    delta = delta - tonumber(reserved[1])
+    cost_delta = cost_delta - tonumber(reserved[2] or 0)
+  end
 else
   return redis.error_reply('reconcile.lua: unknown mode ' .. tostring(ARGV[2]))
 end
 
-local function adjust(key, ttl)
-  if delta < 0 then
+local function adjust(key, d, ttl)
+  if d < 0 then
     if redis.call('EXISTS', key) == 0 then return end
-    local left = redis.call('INCRBY', key, delta)
+    local left = redis.call('INCRBY', key, d)
     if left < 0 then redis.call('INCRBY', key, -left) end
-  elseif delta > 0 then
-    redis.call('INCRBY', key, delta)
+  elseif d > 0 then
+    redis.call('INCRBY', key, d)
     if redis.call('TTL', key) < 0 then redis.call('EXPIRE', key, ttl) end
   end
 end
 
-adjust(KEYS[1], ARGV[4])
-adjust(KEYS[2], ARGV[5])
+adjust(KEYS[1], delta, ARGV[4])
+adjust(KEYS[2], delta, ARGV[5])
+if cost_delta ~= 0 then
+  adjust(KEYS[12], cost_delta, ARGV[13])
+  adjust(KEYS[13], cost_delta, ARGV[14])
+end
 
 if ARGV[8] ~= '' then
   local u = cjson.decode(ARGV[8])
@@ -90,6 +104,15 @@ if ARGV[8] ~= '' then
     add(p[1], 'prompt', p[2])
     add(p[1], 'cached', p[3])
     add(p[1], 'completion', p[4])
+    add(p[1], 'cost', p[5] or 0)
+  end
+  if u.auto then  -- an `auto` request: under who answered, what it cost and would have
+    add(u.model, 'auto_n', 1)
+    add(u.model, 'auto_cost', u.auto[1])
+    add(u.model, 'auto_if_large', u.auto[2])
+    add(u.model, 'auto_if_small', u.auto[3])
+    add(u.model, 'auto_esc', u.auto[4])
+    add(u.model, 'auto_over', u.auto[5])
   end
   redis.call('EXPIRE', KEYS[8], ARGV[9])
   redis.call('EXPIRE', KEYS[9], ARGV[10])
