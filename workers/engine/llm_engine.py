@@ -64,6 +64,10 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
         self.num_failed_requests = 0
         self._num_failed_steps = 0  # in a row, every request failing
+        # Wall seconds of the steps that ran a batch, from scheduling to the sampled tokens
+        # (the output bookkeeping after is not in it): what the requests' `prefill_s` and
+        # `decode_s` shares divide, so they sum to it.
+        self.step_time_s = 0.0
         self.grammars: GrammarCompiler | None = (
             GrammarCompiler(tokenizer.hf, runner.model_config.vocab_size, eos, config.grammar_cache)
             if tokenizer is not None
@@ -276,6 +280,7 @@ class LLMEngine:
             self.num_prompt_tokens_computed,
             self.num_failed_requests,
             self._num_failed_steps,
+            self.step_time_s,
             replace(self.kv.stats),
         )
         try:
@@ -286,6 +291,7 @@ class LLMEngine:
                 self.num_prompt_tokens_computed,
                 self.num_failed_requests,
                 self._num_failed_steps,
+                self.step_time_s,
                 self.kv.stats,
             ) = saved
 
@@ -335,6 +341,22 @@ class LLMEngine:
         sampled, failed = execute_isolated(
             lambda batch: self.runner.execute(batch, tables), out.scheduled
         )
+        # Each scheduled request's share of the step's time, before `advance` (the tokens'
+        # positions say prefill or decode) and before any output is built (a finished or
+        # failed request's last output carries this step too). Every request pays for the
+        # steps it was in and nothing more: a failed one for the step it failed in; a
+        # preempted one for its recompute too (prefill: its prompt and output so far
+        # computed again), as it was in those steps; an n > 1 fork for its own chunk (the
+        # prompt's blocks it took from the prefix cache cost it nothing); a resumed one for
+        # prefilling its prompt and the output it resumes from.
+        wall_s = time.perf_counter() - started
+        self.step_time_s += wall_s
+        per_token_s = wall_s / num_tokens
+        for req, n in out.scheduled:
+            if req.num_computed_tokens < req.num_prefill_tokens:
+                req.prefill_s += n * per_token_s
+            else:
+                req.decode_s += n * per_token_s
         self._count_failed_step(len(failed), len(out.scheduled), failed)
         outputs += [self._fail(req, exc, "step") for req, exc in failed]
         out.scheduled = [(req, n) for req, n in out.scheduled if not req.is_finished]
@@ -447,6 +469,8 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             error=f"{type(exc).__name__}: {exc}",
+            prefill_s=req.prefill_s,
+            decode_s=req.decode_s,
         )
 
     def _check_stop(self, req: Request, token_id: int) -> None:
@@ -487,6 +511,8 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             logprobs=logprobs,
+            prefill_s=req.prefill_s,
+            decode_s=req.decode_s,
         )
 
     # -- offline use ------------------------------------------------------------------

@@ -28,6 +28,11 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None  # why the engine failed this request (finish_reason ERROR)
+    # Engine seconds charged so far (totals, not deltas): the request's share of each step
+    # it was in, its tokens over the step's times the step's wall time, split by whether
+    # its tokens in that step were a prefill chunk or a decode.
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
 
 
 @dataclass

@@ -55,6 +55,9 @@ class Request:
         "fork_of",
         "resumed_chars",
         "resumed_text",
+        "num_prefill_tokens",
+        "prefill_s",
+        "decode_s",
     )
 
     def __init__(
@@ -101,6 +104,14 @@ class Request:
         # of it). Its output tokens are set before it is added.
         self.resumed_chars = 0
         self.resumed_text = ""
+        # Tokens its latest admission set out to prefill (the scheduler sets it): the
+        # prompt, plus the output it already had when resumed or readmitted after a
+        # preemption. A step computing positions below it is prefill; at or past it, decode.
+        self.num_prefill_tokens = len(self.prompt_token_ids)
+        # Engine seconds it was charged: its share of every step it was in (its tokens over
+        # the step's, times the step's wall time), prefill and decode apart (the engine).
+        self.prefill_s = 0.0
+        self.decode_s = 0.0
 
     @property
     def num_tokens(self) -> int:

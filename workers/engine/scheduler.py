@@ -335,6 +335,7 @@ class Scheduler:
         if num_new == 0 or self.kv.allocate_slots(req, num_new, hits, lookahead) is None:
             return False
         req.num_computed_tokens = num_hit
+        req.num_prefill_tokens = req.num_tokens
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_hit
         if req.first_scheduled_time is None:
