@@ -5,11 +5,13 @@ import json
 import time
 
 import httpx
+import msgspec
 import pytest
 
 from tests.support.waiting import eventually
 from tests.support.worker import running_worker
 from tests.support.worker_client import load
+from workers.api.types import Usage
 from workers.engine.sampling_params import SamplingParams
 
 
@@ -76,8 +78,41 @@ def test_streaming_equals_non_streaming_and_ends_with_usage_and_done(worker):
     chunks = [json.loads(e) for e in events[:-1]]
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     assert text == full["choices"][0]["text"]
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
+    # The same counts; the engine time (`compute_seconds`) is each run's own.
+    streamed_usage = {k: v for k, v in chunks[-1]["usage"].items() if k != "compute_seconds"}
+    full_usage = {k: v for k, v in full["usage"].items() if k != "compute_seconds"}
+    assert chunks[-1]["choices"] == [] and streamed_usage == full_usage
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+
+
+def _compute_seconds(usage: dict) -> dict:
+    """The usage extension, as `workers.api.types.Usage` decodes it."""
+    decoded = msgspec.convert(usage, Usage).compute()
+    assert decoded is not None, usage
+    return {"prefill_s": decoded.prefill_s, "decode_s": decoded.decode_s}
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_usage_reports_the_requests_prefill_and_decode_engine_seconds(worker, chat):
+    if chat:
+        path = "/v1/chat/completions"
+        body = {**greedy_body(), "messages": [{"role": "user", "content": "The history of"}]}
+        del body["prompt"]
+    else:
+        path, body = "/v1/completions", greedy_body()
+    started = time.perf_counter()
+    full = httpx.post(f"{worker.url}{path}", json=body, timeout=30).json()
+    full_s = time.perf_counter() - started
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    with httpx.stream("POST", f"{worker.url}{path}", json=stream, timeout=30) as r:
+        chunks = [json.loads(e) for e in sse_events(r.iter_lines())[:-1]]
+    stream_s = time.perf_counter() - started
+    assert all("usage" not in c for c in chunks[:-1])  # only the final usage chunk has it
+    for usage, exchange_s in ((full["usage"], full_s), (chunks[-1]["usage"], stream_s)):
+        seconds = _compute_seconds(usage)
+        assert seconds["prefill_s"] > 0 and seconds["decode_s"] > 0
+        assert seconds["prefill_s"] + seconds["decode_s"] < exchange_s  # alone: its steps
 
 
 def test_openai_client_chat_streaming_and_not(worker):

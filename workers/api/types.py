@@ -169,11 +169,40 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
 
 
+class ComputeSeconds(msgspec.Struct):
+    """Engine time a request was charged, in seconds (the extension `usage.compute_seconds`).
+
+    A Switchyard worker charges each request its share of every engine step it was in: its
+    tokens in the step over the step's tokens, times the step's wall time (schedule to
+    sample). `prefill_s` sums the steps in which its tokens were a prefill chunk (the
+    chunk that samples the first token included, and the recompute after a preemption);
+    `decode_s` those in which they were a decode. With n > 1, the samples' shares summed.
+    Reported by the worker: untrusted, a reader bounds it before pricing on it.
+    """
+
+    prefill_s: float
+    decode_s: float
+
+
 class Usage(msgspec.Struct):
+    """`usage`: token counts (OpenAI's), and where a Switchyard worker reports it, the
+    extension `compute_seconds`.
+
+    `compute_seconds` is UNSET when absent (left out of the JSON: the default, so every
+    Usage built without it encodes as before) and None when sent as `null`; both mean "not
+    reported" (another engine, or a usage the gateway built). `compute()` reads it as one.
+    """
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    compute_seconds: ComputeSeconds | None | msgspec.UnsetType = msgspec.UNSET
+
+    def compute(self) -> ComputeSeconds | None:
+        """The reported engine time; None when absent or null."""
+        c = self.compute_seconds
+        return c if isinstance(c, ComputeSeconds) else None
 
 
 class LoadReport(msgspec.Struct):

@@ -106,7 +106,9 @@ def chat_prompt(
 
 
 def usage(outs: list[RequestOutput]) -> dict[str, Any]:
-    """The usage of a request's samples: the prompt once, every sample's output."""
+    """The usage of a request's samples: the prompt once, every sample's output, and the
+    extension `compute_seconds` (`workers.api.types.ComputeSeconds`): every sample's
+    engine time, in seconds rounded to the microsecond."""
     first = outs[0]
     completion = sum(o.num_output_tokens for o in outs)
     return {
@@ -114,6 +116,10 @@ def usage(outs: list[RequestOutput]) -> dict[str, Any]:
         "completion_tokens": completion,
         "total_tokens": first.num_prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens},
+        "compute_seconds": {
+            "prefill_s": round(sum(o.prefill_s for o in outs), 6),
+            "decode_s": round(sum(o.decode_s for o in outs), 6),
+        },
     }
 
 
