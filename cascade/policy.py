@@ -231,6 +231,25 @@ def effective_threshold(
     return s.default_threshold
 
 
+BUDGET_EASE_FROM = 0.8  # share of a tenant's spend target where `auto` starts to save
+
+
+def budget_threshold(
+    threshold: float, spend_fraction: float | None, ease_from: float = BUDGET_EASE_FROM
+) -> float:
+    """The threshold for a tenant nearing its spend target (`spend_fraction`: its spend in
+    the budget's period over the target; None: no target). Below `ease_from` of the target
+    it is unchanged; from there it rises linearly to 1.0 at the target, so only the
+    requests scored hardest still go large, fewer as spend grows; at or past the target,
+    none do. Requests are sent small before any is refused: only a hard budget refuses."""
+    if spend_fraction is None or spend_fraction < ease_from:
+        return threshold
+    if spend_fraction >= 1.0:
+        return _ABOVE_ANY_SCORE
+    raised = threshold + (1.0 - threshold) * (spend_fraction - ease_from) / (1.0 - ease_from)
+    return max(threshold, raised)
+
+
 def route(score: float, threshold: float) -> str:
     """The pool: "large" when `score >= threshold`, else "small"."""
     return "large" if score >= threshold else "small"

@@ -133,6 +133,7 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
             await asyncio.gather(upkeep, return_exceptions=True)
             await gw.maintenance.close()
             await gw.limiter.aclose()
+            await gw.webhook.aclose()
             await gw.redis.aclose()
             await gw.workers.aclose()
             if monitor is not None:

@@ -37,6 +37,14 @@ class GatewayConfig:
     # way the target model does. A pool without one is estimated at 1 token per 3 bytes.
     tokenizers: dict[str, str] = field(default_factory=dict)
     default_pool: str | None = None  # where `model: auto` goes until the cascade decides
+    # What each pool charges (gateway/billing/prices.py PoolPrice fields: per million
+    # prompt, cached and completion tokens, or per compute-second); a pool not named is
+    # free. `PUT /admin/prices` replaces them at runtime (audited). Amounts in `currency`.
+    prices: dict[str, dict] = field(default_factory=dict)
+    currency: str = "USD"
+    # Where a tenant's (or key's) crossing of its soft budget is POSTed, once per period;
+    # None: only the metric and the log say so.
+    budget_webhook_url: str | None = None
     redis_url: str | None = None  # None: an embedded Redis persisted under data_dir
     data_dir: str = "data"
     admin_key: str | None = None  # also from SWITCHYARD_ADMIN_KEY (read by the CLI)

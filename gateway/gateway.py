@@ -12,6 +12,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
+from gateway.billing.book import PriceBook
+from gateway.billing.budgets import BudgetWebhook, SpendView
+from gateway.billing.prices import prices_from_dict
 from gateway.capacity.door import Gate
 from gateway.capacity.pool import Pool
 from gateway.config import GatewayConfig
@@ -24,7 +27,7 @@ from gateway.serving.plan import Plan, PublicRequest, upstream_body
 from gateway.serving.prompt_tokens import PromptCounter
 from gateway.serving.record import Outcome
 from quota.limiter import QuotaLimiter, Reservation
-from quota.models import Tenant, TenantLimits
+from quota.models import Tenant
 from quota.store import TenantStore
 from quota.sweeper import QuotaMaintenance
 from quota.usage import UsageReader, usage_record
@@ -33,8 +36,9 @@ from workers.api.types import ApiError
 
 log = logging.getLogger(__name__)
 
-# An authenticated caller: the key's id, its tenant, and the key's own limits (None: none).
-Caller = tuple[str | None, Tenant, TenantLimits | None]
+# An authenticated caller: the key's id, its tenant, and the key's own quota holder (its
+# limits and budget, `serving.intake.key_quota_holder`; None: the key has neither).
+Caller = tuple[str | None, Tenant, Tenant | None]
 
 
 @dataclass
@@ -67,6 +71,12 @@ class Gateway:
     # A key's Redis lookup in progress (digest -> its outcome): the requests that miss the
     # cache meanwhile wait for it instead of each sending their own.
     key_lookups: dict[bytes, "asyncio.Future[Caller]"] = field(default_factory=dict)
+    # Prices per pool (None: built from the config, unpriced unless it names prices), what
+    # this process last saw of each tenant's spend, and the soft-budget webhook.
+    # (None: built from the config at init; never None after.)
+    prices: PriceBook = None  # type: ignore[assignment]
+    spend: SpendView = field(default_factory=SpendView)
+    webhook: BudgetWebhook = None  # type: ignore[assignment]
     _background: set[asyncio.Task[Any]] = field(default_factory=set)
     flights: set[Flight] = field(default_factory=set)  # requests inside their flight's block
 
@@ -78,6 +88,13 @@ class Gateway:
             )
         for pool in self.pools.values():
             pool.start_grace_s = cfg.replica_start_grace_s
+        kinds = {name: pool.kind for name, pool in self.pools.items()}
+        if self.prices is None:
+            self.prices = PriceBook(
+                self.redis, prices_from_dict(cfg.prices, kinds), kinds, cfg.currency
+            )
+        if self.webhook is None:
+            self.webhook = BudgetWebhook(cfg.budget_webhook_url, cfg.currency)
 
     def keys_changed(self) -> None:
         """A key or tenant changed through this process's admin API: its next request
@@ -118,16 +135,25 @@ class Gateway:
         return task
 
     def reconcile_later(
-        self, reservation: Reservation, actual_tokens: int, outcome: Outcome | None = None
+        self,
+        reservation: Reservation,
+        actual_tokens: int,
+        outcome: Outcome | None = None,
+        cost_nanos: int = 0,
     ) -> None:
         """Reconcile outside the request's (possibly cancelled) task, exactly once.
         `outcome`: how the request ended, handed over by its settled flight, recorded as
         usage (in the same Redis call) and counted in the metrics. None: no usage record (a
-        key's own windows, or a reservation given back unused)."""
-        self.spawn(self._reconcile(reservation, actual_tokens, outcome))
+        key's own windows, or a reservation given back unused). `cost_nanos`: the money it
+        cost (0: the reserved cost is given back)."""
+        self.spawn(self._reconcile(reservation, actual_tokens, outcome, cost_nanos))
 
     async def _reconcile(
-        self, reservation: Reservation, actual_tokens: int, outcome: Outcome | None
+        self,
+        reservation: Reservation,
+        actual_tokens: int,
+        outcome: Outcome | None,
+        cost_nanos: int,
     ) -> None:
         usage = None
         try:
@@ -143,19 +169,20 @@ class Gateway:
                     latency_ms=outcome.latency_ms,
                     parts=outcome.parts,
                     finished_at_s=time.time(),
+                    auto=outcome.auto,
                 )
         except Exception:
             log.exception("usage of %s not recorded", reservation.request_id)
         try:
             t0 = time.perf_counter()
             try:
-                await self.limiter.reconcile(reservation, actual_tokens, usage)
+                await self.limiter.reconcile(reservation, actual_tokens, usage, cost_nanos)
             except Exception:
                 if usage is None:
                     raise
                 # A usage record the script refuses must not cost the settlement itself.
                 log.exception("usage of %s refused; settling without it", reservation.request_id)
-                await self.limiter.reconcile(reservation, actual_tokens)
+                await self.limiter.reconcile(reservation, actual_tokens, None, cost_nanos)
             if self.metrics is not None:
                 self.metrics.redis_latency.labels("reconcile").observe(time.perf_counter() - t0)
         except Exception:

@@ -24,6 +24,8 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from quota.budget import NANOS
+
 P = "switchyard_gateway_"
 OTHER_TENANT = "other"
 _BUCKETS = (
@@ -244,6 +246,46 @@ class GatewayMetrics:
             ["tenant", "limit"],
             registry=registry,
         )
+        self.spend = Counter(
+            P + "spend",
+            "Money charged to tenants (units of the gateway's currency), by tenant and the "
+            "pool that served.",
+            ["tenant", "model"],
+            registry=registry,
+        )
+        self.shadow_spend = Counter(
+            P + "shadow_spend",
+            "What shadow runs cost at the pool's price (the operator's, not a tenant's).",
+            ["pool"],
+            registry=registry,
+        )
+        self.budget_refusals = Counter(
+            P + "budget_refusals",
+            "Requests refused because their worst-case cost would pass a hard money budget "
+            "(the tenant's or its key's).",
+            ["tenant"],
+            registry=registry,
+        )
+        self.budget_soft_crossings = Counter(
+            P + "budget_soft_crossings",
+            "Soft money budgets crossed (once per budget period; the tenant's or a key's).",
+            ["tenant"],
+            registry=registry,
+        )
+        self.budget_remaining = Gauge(
+            P + "budget_remaining",
+            "A tenant's hard budget less its spend this period (reservations in flight "
+            "counted at their worst case), as of its last request through this gateway.",
+            ["tenant"],
+            registry=registry,
+        )
+        self.budget_spent_ratio = Gauge(
+            P + "budget_spent_ratio",
+            "A tenant's spend this period over its hard budget (1: reached), as of its last "
+            "request through this gateway.",
+            ["tenant"],
+            registry=registry,
+        )
         self.shed = Counter(
             P + "shed_requests",
             "Requests shed by the gateway (503: queue full, deadline in queue, no replica).",
@@ -353,3 +395,5 @@ class GatewayMetrics:
             self.tokens.labels(tenant, part.model, "prompt").inc(part.prompt_tokens)
             self.tokens.labels(tenant, part.model, "completion").inc(part.completion_tokens)
             self.tokens.labels(tenant, part.model, "cached").inc(part.cached_tokens)
+            if part.cost_nanos:
+                self.spend.labels(tenant, part.model).inc(part.cost_nanos / NANOS)

@@ -18,6 +18,7 @@ from cascade.classifier import DifficultyScorer
 from cascade.policy import (
     InvalidRouting,
     RoutingSettings,
+    budget_threshold,
     effective_threshold,
     route,
     settings_from_dict,
@@ -175,9 +176,12 @@ class Router:
         request_threshold: float | None = None,
         key_threshold: float | None = None,
         structured: bool = False,
+        spend_fraction: float | None = None,
     ) -> Decision:
         """`structured`: the request's output is constrained (tools, a JSON schema); a flag
-        carried to the decision and the debug log (the classifier is not trained on it)."""
+        carried to the decision and the debug log (the classifier is not trained on it).
+        `spend_fraction`: the tenant's spend over its budget's spend target (None: none),
+        which raises the threshold as it nears 1 (`cascade.policy.budget_threshold`)."""
         s = self.settings
         scorer, reference = self.scorer_for(tenant_id)
         t0 = time.perf_counter()
@@ -197,6 +201,7 @@ class Router:
             key_threshold=key_threshold,
             request_threshold=request_threshold,
         )
+        threshold = budget_threshold(threshold, spend_fraction)
         pool = self.large_pool if route(score, threshold) == "large" else self.small_pool
         reason = "classifier"
         if pool == self.large_pool and should_overflow(

@@ -15,9 +15,12 @@ awaits, so it is safe from a cancelled task.
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gateway.billing.prices import PoolPrice, Tokens, cost_nanos
+from gateway.billing.savings import auto_cost
 from gateway.capacity.fair_queue import Ticket
 from gateway.capacity.goodput import meets_targets
 from gateway.capacity.lease import Lease
@@ -26,6 +29,7 @@ from gateway.serving.record import Outcome, RequestRecord
 from quota.limiter import Reservation
 from quota.usage import UsagePart
 from workers.api.client import UpstreamResponse
+from workers.api.types import Usage
 
 if TYPE_CHECKING:
     from gateway.gateway import Gateway
@@ -60,6 +64,7 @@ class Flight:
         "started_at",
         "abort_error",
         "aborted",
+        "prices",
     )
 
     def __init__(
@@ -73,6 +78,7 @@ class Flight:
         *,
         key_reservation: Reservation | None = None,
         client_deadline: bool = False,
+        prices: Mapping[str, PoolPrice] | None = None,
     ) -> None:
         self.gw = gw
         self.plan = plan
@@ -89,6 +95,8 @@ class Flight:
         # Done when the gateway cuts the request short: a plain future, so the serving
         # code waits on it beside its work without a task of its own.
         self.aborted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # The price list it was admitted under, reserve to settlement ({}: unpriced).
+        self.prices: Mapping[str, PoolPrice] = prices if prices is not None else {}
 
     def __enter__(self) -> "Flight":
         self.gw.flights.add(self)
@@ -141,6 +149,34 @@ class Flight:
             if a.reading is not None and not a.reading.done():
                 a.reading.cancel()
 
+    def _cost_of(self, a: Attempt, bill: Usage, now: float) -> int:
+        """What one attempt costs at the flight's prices: its billed tokens, or the engine
+        seconds its worker reported, bounded by the attempt's own wall time."""
+        pool = a.lease.pool.name
+        price = self.prices.get(pool)
+        if price is None:
+            return 0
+        seconds = a.served.usage_compute_s
+        if seconds is not None:
+            seconds = min(seconds, max(0.0, now - a.sent_at)) if a.sent_at else None
+        details = bill.prompt_tokens_details
+        cached = details.cached_tokens if details is not None else 0
+        used = Tokens(bill.prompt_tokens, cached, bill.completion_tokens, seconds)
+        if seconds is not None and price.by_compute:
+            self.gw.prices.observe_compute(pool, bill.total_tokens, seconds)
+        return cost_nanos(price, used, self.gw.prices.compute_per_token_s(pool))
+
+    def cost_so_far(self) -> int:
+        """Nanos charged for what every attempt has been served until now (what the client
+        is told with its usage)."""
+        now = time.monotonic()
+        total = 0
+        for a in self.attempts:
+            if a.served.usage_completion_tokens is None and not a.served.accepted:
+                continue
+            total += self._cost_of(a, billed(self.plan, a.served), now)
+        return total
+
     def _settle(self) -> None:
         """Cancel, close, release, reconcile: once, when the flight's block ends."""
         self.settled = True
@@ -152,6 +188,9 @@ class Flight:
         cut = False  # a worker's answer that never reached its end
         answering: Attempt | None = None  # the attempt whose answer the client got
         answer_tokens = 0
+        now = time.monotonic()
+        cost = 0
+        answer_bill: Usage | None = None
         for i, a in enumerate(self.attempts):
             if a.opening is not None:
                 a.opening.cancel()  # no-op once done
@@ -171,9 +210,13 @@ class Flight:
             a.lease.pool.record_tokens(bill.completion_tokens, a.lease.ticket.max_tokens)
             details = bill.prompt_tokens_details
             cached = details.cached_tokens if details is not None else 0
-            parts.append(UsagePart(model, bill.prompt_tokens, cached, bill.completion_tokens))
-            answering, answer_tokens = a, bill.completion_tokens
+            part_cost = self._cost_of(a, bill, now)
+            parts.append(
+                UsagePart(model, bill.prompt_tokens, cached, bill.completion_tokens, part_cost)
+            )
+            answering, answer_tokens, answer_bill = a, bill.completion_tokens, bill
             charged += bill.total_tokens
+            cost += part_cost
         status = record.status if record.status is not None else 499
         if status == 200 and cut:
             status = 499  # the client left before the answer ended
@@ -181,10 +224,13 @@ class Flight:
         if status == 200 and answering is not None:
             _count_goodput(answering, plan, answer_tokens, time.perf_counter() - record.arrived_at)
         latency_ms = round((time.perf_counter() - record.arrived_at) * 1000)
-        outcome = Outcome(record.key_id, model, route, status, latency_ms, tuple(parts))
-        self.gw.reconcile_later(self.reservation, charged, outcome)
+        auto = None
+        if plan.score is not None and answer_bill is not None and self.prices:
+            auto = auto_cost(self.gw, self.prices, answer_bill, cost, route)
+        outcome = Outcome(record.key_id, model, route, status, latency_ms, tuple(parts), auto)
+        self.gw.reconcile_later(self.reservation, charged, outcome, cost)
         if self.key_reservation is not None:  # the key's own windows: the same charge
-            self.gw.reconcile_later(self.key_reservation, charged)
+            self.gw.reconcile_later(self.key_reservation, charged, cost_nanos=cost)
 
 
 def _count_goodput(attempt: Attempt, plan: Plan, num_tokens: int, whole_s: float) -> None:

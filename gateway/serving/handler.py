@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 from litestar import Request, Response
 
+from gateway.billing.budgets import plan_worst_case_nanos
+from gateway.billing.spend import note_spend
 from gateway.capacity.refusals import DeadlineExceeded
 from gateway.errors import deadline_error, error_response, to_api_error
 from gateway.gateway import Gateway
@@ -24,13 +26,12 @@ from gateway.serving.flight import Flight
 from gateway.serving.intake import (
     authenticate_caller,
     decode,
-    key_quota_holder,
     prepare,
     ratelimit_headers,
 )
 from gateway.serving.record import RequestRecord
 from gateway.serving.streaming import stream_response
-from quota.errors import QuotaExceeded
+from quota.errors import BudgetExceeded, QuotaExceeded
 from workers.api.sse import EventStream
 from workers.api.types import ApiError
 
@@ -103,7 +104,7 @@ async def _admit(
 ) -> Flight:
     """Authenticate, decode, plan and reserve: the request's flight, not entered yet."""
     arrived = record.arrived_at
-    key_id, tenant, own_limits = await authenticate_caller(gw, request)
+    key_id, tenant, key_holder = await authenticate_caller(gw, request)
     record.tenant, record.key_id = tenant.tenant_id, key_id
     raw = await read_body(request, gw.config.body_timeout_s)
     if edge is not None:
@@ -111,6 +112,7 @@ async def _admit(
     req = decode(raw, chat, gw.config)
     if gw.router is not None:
         await gw.router.refresh()
+    await gw.prices.refresh()
     timeout_header = request.headers.get("x-request-timeout")
     plan = await prepare(
         gw,
@@ -120,24 +122,42 @@ async def _admit(
         chat,
         timeout_header,
         body_bytes=len(raw),
-        key_max_context=own_limits.max_context if own_limits is not None else None,
+        key_max_context=key_holder.limits.max_context if key_holder is not None else None,
     )
     record.pool, record.route = plan.pool, plan.route
     if gw.learner is not None:
         gw.learner.on_plan(gw, plan, req)
+    prices = gw.prices.prices  # this request's, reserve to settlement (a change: later ones)
+    cost = 0
+    if prices:
+        escalates_to = gw.router.large_pool if plan.escalation and gw.router else None
+        cost = plan_worst_case_nanos(
+            prices, plan.pool, plan.prompt_tokens, plan.max_tokens, plan.n, escalates_to
+        )
     t_reserve = time.perf_counter()
-    reservation, state = await gw.limiter.reserve(tenant, plan.request_id, plan.reserve_tokens)
+    try:
+        reservation, state = await gw.limiter.reserve(
+            tenant, plan.request_id, plan.reserve_tokens, cost
+        )
+    except BudgetExceeded:
+        if gw.metrics is not None:
+            gw.metrics.budget_refusals.labels(gw.metrics.tenant(tenant.tenant_id)).inc()
+        raise
+    note_spend(gw, tenant, key_id, reservation)
     key_reservation = None
-    if own_limits is not None and key_id is not None:
-        # The key's own limits: a second reservation under the key; refused, it leaves
-        # nothing behind (the tenant's reservation is given back, charged 0).
+    if key_holder is not None and key_id is not None:
+        # The key's own limits and budget: a second reservation under the key; refused, it
+        # leaves nothing behind (the tenant's reservation is given back, charged 0).
         try:
             key_reservation, key_state = await gw.limiter.reserve(
-                key_quota_holder(tenant, key_id, own_limits), plan.request_id, plan.reserve_tokens
+                key_holder, plan.request_id, plan.reserve_tokens, cost
             )
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, BudgetExceeded) and gw.metrics is not None:
+                gw.metrics.budget_refusals.labels(gw.metrics.tenant(tenant.tenant_id)).inc()
             gw.reconcile_later(reservation, 0)
             raise
+        note_spend(gw, key_holder, key_id, key_reservation, tenant_id=tenant.tenant_id)
         state = key_state if key_state.limit_tokens is not None else state
     reserved = time.perf_counter()
     if gw.metrics is not None:
@@ -165,6 +185,7 @@ async def _admit(
         headers,
         key_reservation=key_reservation,
         client_deadline=timeout_header is not None,
+        prices=prices,
     )
 
 

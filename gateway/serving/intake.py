@@ -34,6 +34,8 @@ from gateway.serving.plan import (
     timeout_of,
 )
 from gateway.serving.prompt_tokens import PromptTooLong
+from quota.budget import Budget
+from quota.keyspace import key_quota_id
 from quota.limiter import RateLimitState
 from quota.models import Tenant, TenantLimits
 from workers.api.types import ApiError, decode_request
@@ -135,21 +137,28 @@ async def _look_up_key(
         raise ApiError(401, "invalid API key", code="invalid_api_key")
     if len(gw.known_keys) > 100_000:
         gw.known_keys.clear()
-    caller = (found[0].key_id, found[1], found[0].limits)
+    record, tenant = found
+    holder = None
+    if record.limits is not None or record.budget is not None:
+        holder = key_quota_holder(tenant, record.key_id, record.limits, record.budget)
+    caller = (record.key_id, tenant, holder)
     gw.known_keys[digest] = (caller, time.monotonic())
     return caller
 
 
-def key_quota_holder(tenant: Tenant, key_id: str, limits: TenantLimits) -> Tenant:
-    """A key's own limits as a quota holder of their own: its windows, slots and pending
-    records live under `sy:{key.<key_id>}`, apart from its tenant's."""
+def key_quota_holder(
+    tenant: Tenant, key_id: str, limits: TenantLimits | None, budget: Budget | None = None
+) -> Tenant:
+    """A key's own limits and budget as a quota holder of their own: its windows, slots,
+    spend and pending records live under `sy:{key.<key_id>}`, apart from its tenant's."""
     return Tenant(
-        tenant_id=f"key.{key_id}",
+        tenant_id=key_quota_id(key_id),
         name=f"key {key_id} of {tenant.tenant_id}",
-        limits=limits,
+        limits=limits if limits is not None else TenantLimits(),
         allowed_models=[],
         allow_overflow=True,
         created_at=0.0,
+        budget=budget,
     )
 
 
@@ -264,7 +273,9 @@ async def prepare(
     escalation = None
     if decision is not None and decision.route == "classifier" and pool == gw.router.small_pool:
         chosen = escalation_for(gw.router.settings, tenant.tenant_id)
-        if chosen.enabled and not req.stream:
+        # At its spend target a tenant's unsure answers are not re-run on the large pool.
+        saving = (gw.spend.fraction_of_target(tenant.tenant_id, tenant.budget) or 0.0) >= 1.0
+        if chosen.enabled and not req.stream and not saving:
             escalation = chosen
     return Plan(
         request_id=f"gw-{uuid.uuid4().hex}",
@@ -366,4 +377,5 @@ def _decide(gw: Gateway, tenant: Tenant, key_id: str | None, req: PublicRequest,
         request_threshold=req.switchyard_threshold,
         structured=is_structured(req),
         key_threshold=router.settings.key_thresholds.get(key_id) if key_id else None,
+        spend_fraction=gw.spend.fraction_of_target(tenant.tenant_id, tenant.budget),
     )

@@ -230,6 +230,9 @@ class Served:
     usage_completion_tokens: int | None = None
     usage_cached_tokens: int = 0  # prompt tokens the worker's prefix cache served
     tokens_relayed: int = 0  # chunks with output forwarded (one per token from a worker)
+    # The engine seconds the worker reported for it (usage.compute_seconds, prefill plus
+    # decode; None: not reported). Untrusted: bounded by the attempt's wall time when priced.
+    usage_compute_s: float | None = None
 
 
 def note_usage(served: Served, usage: Usage | None) -> None:
@@ -240,6 +243,9 @@ def note_usage(served: Served, usage: Usage | None) -> None:
     served.usage_completion_tokens = usage.completion_tokens
     details = usage.prompt_tokens_details
     served.usage_cached_tokens = details.cached_tokens if details is not None else 0
+    compute = usage.compute()
+    if compute is not None and math.isfinite(compute.prefill_s + compute.decode_s):
+        served.usage_compute_s = max(0.0, compute.prefill_s) + max(0.0, compute.decode_s)
 
 
 def billed(plan: Plan, served: Served) -> Usage:

@@ -5,7 +5,7 @@ tenant metrics)."""
 import time
 from dataclasses import dataclass
 
-from quota.usage import UsagePart
+from quota.usage import AutoCost, UsagePart
 
 
 @dataclass(slots=True)
@@ -45,4 +45,5 @@ class Outcome:
     route: str  # the plan's route, or "escalated" when a second attempt answered
     status: int  # HTTP status, or the in-band error's; 499 for a client gone mid-answer
     latency_ms: int  # arrival to settlement
-    parts: tuple[UsagePart, ...]  # tokens per attempt a worker accepted
+    parts: tuple[UsagePart, ...]  # tokens (and cost) per attempt a worker accepted
+    auto: AutoCost | None = None  # an `auto` request's cost beside each pool's (None: not auto)

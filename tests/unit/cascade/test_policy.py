@@ -193,3 +193,19 @@ def test_settings_decode_strictly_and_name_the_entry_inside_a_map() -> None:
             settings_from_dict(raw_bad, {"acme"})
         assert info.value.param == param, raw_bad
         assert info.value.message.startswith(f"{param}: "), info.value.message
+
+
+def test_a_tenant_nearing_its_spend_target_sends_less_to_the_large_pool() -> None:
+    from cascade.policy import budget_threshold, route
+
+    assert budget_threshold(0.4, None) == 0.4  # no target
+    assert budget_threshold(0.4, 0.5) == 0.4  # far from it
+    assert budget_threshold(0.4, 0.8) == 0.4  # where easing starts
+    assert budget_threshold(0.4, 0.9) == pytest.approx(0.7)  # half way: half way to 1
+    assert budget_threshold(0.95, 0.85) == pytest.approx(0.9625)
+    # The threshold only rises, and at the target nothing goes large, whatever the score.
+    steps = [budget_threshold(0.3, f / 100) for f in range(0, 130, 5)]
+    assert steps == sorted(steps)
+    assert route(1.0, budget_threshold(0.3, 1.0)) == "small"
+    assert route(1.0, budget_threshold(0.3, 2.5)) == "small"
+    assert route(0.99, budget_threshold(0.3, 0.99)) == "large"  # the hardest still go

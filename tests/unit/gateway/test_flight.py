@@ -23,9 +23,11 @@ class Gw:
         self.pools = {"small": make_pool()}
         self.flights: set = set()
         self.reconciled: list[tuple] = []  # (reservation, tokens, outcome)
+        self.costs: list[int] = []  # nanos, beside each reconcile
 
-    def reconcile_later(self, reservation, actual_tokens, outcome=None) -> None:  # noqa: ANN001
+    def reconcile_later(self, reservation, actual_tokens, outcome=None, cost_nanos=0) -> None:  # noqa: ANN001
         self.reconciled.append((reservation, actual_tokens, outcome))
+        self.costs.append(cost_nanos)
 
 
 def make_flight(gw: Gw, key: bool = False) -> Flight:

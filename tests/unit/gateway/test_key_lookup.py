@@ -48,7 +48,7 @@ class Lookups(dict):
 
 
 def test_concurrent_misses_share_one_lookup() -> None:
-    record = SimpleNamespace(key_id="k1", limits=None)
+    record = SimpleNamespace(key_id="k1", limits=None, budget=None)
     tenant = SimpleNamespace(tenant_id="acme")
 
     async def main() -> None:
@@ -84,7 +84,7 @@ def test_an_unknown_key_is_refused_to_every_waiting_caller() -> None:
 
 
 def test_an_aged_entry_is_looked_up_again() -> None:
-    record = SimpleNamespace(key_id="k1", limits=None)
+    record = SimpleNamespace(key_id="k1", limits=None, budget=None)
 
     async def main() -> None:
         gw, calls, release = gateway((record, "tenant"))
