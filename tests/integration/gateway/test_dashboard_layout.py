@@ -1,10 +1,10 @@
 """The /dashboard page's layout in a real headless browser (system chromium, driven by
 Playwright), at the widths people use (a phone to a wide desktop), with data that pushes it:
 64-character tenant ids, long pool and model names, many replicas, billions of tokens and
-limits near and past 100 %. At each width, in the sign-in view, the tenant view and the admin
-view: every element of a card lies within its card, and nothing is wider than its box (the
-page never scrolls sideways) except the tables' own scroll containers (`.scroll`), which only
-scroll on a narrow screen.
+limits near and past 100 %, millions in money and a budget past its soft limit. At each
+width, in the sign-in view, the tenant view and the admin view: every element of a card lies
+within its card, and nothing is wider than its box (the page never scrolls sideways) except
+the tables' own scroll containers (`.scroll`), which only scroll on a narrow screen.
 
 The page is served by the gateway's own route handlers (with their CSP); the JSON it asks for
 is answered by the test, so no Redis or worker is needed. The browser comes from
@@ -24,9 +24,9 @@ from tests.integration.gateway.test_dashboard_page import _browser_or_fail
 ORIGIN = "http://dashboard.test"
 ADMIN_KEY = "admin-key"
 TENANT_KEY = "sy-0a1b2c3d-secret"
-WIDTHS = (360, 768, 1024, 1400, 1920)
+WIDTHS = (360, 768, 1000, 1024, 1400, 1920)
 # From this width up the tables fit their cards: no scroll container may scroll.
-FITS_FROM_PX = 1024
+FITS_FROM_PX = 1000
 DAY_S = 86400
 
 TENANTS = (
@@ -65,7 +65,44 @@ def _limits_doc(tenant: str) -> dict:
     }
 
 
-def _usage_rows(tenant: str, now_s: float) -> tuple[list[dict], list[dict], list[dict]]:
+CURRENCY = "USD"
+# A rolling 30-day budget past its soft limit, near its hard one.
+BUDGET = {
+    "period": "rolling",
+    "window_days": 30,
+    "hard": 2_500_000.0,
+    "soft": 2_000_000.0,
+    "spend_target": 1_800_000.0,
+    "spent": 2_345_678.9,
+    "remaining": 154_321.1,
+    "resets_at": 1_767_225_600,  # 2026-01-01 00:00 UTC
+}
+SAVINGS = {
+    "auto_requests": 3_100_000,
+    "spent": 1_450_000.0,
+    "all_large": 2_900_000.0,
+    "all_small": 410_000.0,
+    "share": {MODELS[0]: 0.4, MODELS[1]: 0.6},
+}
+
+
+def _money(k: int) -> dict:
+    """A row's money fields (the pricing contract of `/v1/usage`), in millions."""
+    auto = (2_000_000 - 400_000 * k) if k < 3 else 0
+    return {
+        "cost": 1_234_567.89 / (k + 1),
+        "auto_requests": auto,
+        "auto_cost": 654_321.0 / (k + 1) if auto else 0.0,
+        "auto_cost_if_all_large": 1_300_000.0 / (k + 1) if auto else 0.0,
+        "auto_cost_if_all_small": 190_000.0 / (k + 1) if auto else 0.0,
+        "auto_escalated": 123_456 if auto else 0,
+        "auto_overflowed": 98_765 if auto else 0,
+    }
+
+
+def _usage_rows(
+    tenant: str, now_s: float, money: bool = True
+) -> tuple[list[dict], list[dict], list[dict]]:
     today = int(now_s // DAY_S) * DAY_S
     days = [
         {
@@ -74,6 +111,7 @@ def _usage_rows(tenant: str, now_s: float) -> tuple[list[dict], list[dict], list
             "prompt_tokens": 3_100_000_000 + i * 97_000_000,
             "completion_tokens": 2_300_000_000 - i * 51_000_000,
             "requests": 4_100_000,
+            **(_money(i % 4) if money else {}),
         }
         for i in range(14)
     ]
@@ -84,6 +122,7 @@ def _usage_rows(tenant: str, now_s: float) -> tuple[list[dict], list[dict], list
             "prompt_tokens": 9_000_000_000 // (k + 1),
             "completion_tokens": 4_000_000_000 // (k + 1),
             "requests": 1_000_000,
+            **(_money(k) if money else {}),
         }
         for k, m in enumerate(MODELS)
     ]
@@ -98,6 +137,7 @@ def _usage_rows(tenant: str, now_s: float) -> tuple[list[dict], list[dict], list
             "completion_tokens": 32_768,
             "latency_ms": 184_321,
             "key_id": "0a1b2c3d",
+            **({"cost": 12_345.678 / (i + 1)} if money else {}),
         }
         for i in range(20)
     ]
@@ -119,25 +159,31 @@ def _fleet_doc() -> dict:
 
 
 class FakeApi:
-    """Answers the page's JSON requests like the gateway would, for ADMIN_KEY and TENANT_KEY."""
+    """Answers the page's JSON requests like the gateway would, for ADMIN_KEY and TENANT_KEY.
+    `money=False`: like a gateway from before pricing (no currency, cost, budget or savings)."""
 
-    def __init__(self) -> None:
+    def __init__(self, money: bool = True) -> None:
         self.now_s = time.time()
+        self.money = money
 
     def answer(self, path: str, params: dict[str, str], key: str) -> tuple[int, dict]:
-        days, models, recent = _usage_rows(TENANTS[0], self.now_s)
+        days, models, recent = _usage_rows(TENANTS[0], self.now_s, self.money)
         rows = models if params.get("group_by") == "model" else days
+        priced = {"currency": CURRENCY, "savings": SAVINGS} if self.money else {}
+        budget = {"budget": BUDGET} if self.money else {}
         if path == "/v1/usage":
             if key != TENANT_KEY:
                 return 401, {"error": {"message": "invalid key"}}
-            return 200, {**_limits_doc(TENANTS[0]), "data": rows, "recent": recent}
+            limits = _limits_doc(TENANTS[0])
+            return 200, {**limits, **priced, **budget, "data": rows, "recent": recent}
         if key != ADMIN_KEY:
             return 401, {"error": {"message": "invalid key"}}
         if path == "/admin/fleet":
             return 200, _fleet_doc()
         if path == "/admin/usage":
             wanted = [params["tenant"]] if "tenant" in params else list(TENANTS)
-            doc = {"data": rows, "current": {t: _limits_doc(t) for t in wanted}}
+            current = {t: {**_limits_doc(t), **budget} for t in wanted}
+            doc = {**priced, "data": rows, "current": current}
             if params.get("recent"):
                 doc["recent"] = {t: recent for t in wanted}
             return 200, doc

@@ -1,18 +1,21 @@
 """The built-in /dashboard page in a real headless browser (system chromium, driven by
 Playwright): it loads, the charts render from seeded usage, a wrong key is refused, a tenant
-sees only its own numbers, and the admin sees every tenant and the fleet. A screenshot of each
-view is kept in the test's temp dir.
+sees only its own numbers, and the admin sees every tenant and the fleet; with prices
+configured, what the requests cost and how `auto` was routed. A screenshot of each view is kept
+in the test's temp dir.
 
 The browser comes from scripts/setup.sh (apt-get install chromium; playwright from the dev
 extras). Without it this test fails, unless SWITCHYARD_SKIP_BROWSER=1 says to skip it."""
 
+import dataclasses
 import os
 import shutil
 import time
 
 import pytest
 
-from tests.integration.gateway.conftest import ADMIN
+from gateway.config import GatewayConfig
+from tests.integration.gateway.conftest import ADMIN, gateway_stack
 
 BODY = {"model": "small", "prompt": [5, 6, 7, 8], "max_tokens": 6}
 
@@ -110,3 +113,71 @@ def test_dashboard_page_in_a_headless_browser(stack, tmp_path):
         finally:
             browser.close()
     print(f"screenshots: {tmp_path}/dashboard-tenant.png, dashboard-admin.png")
+
+
+PRICES = {
+    "small": {"prompt_per_mtok": 1_000.0, "completion_per_mtok": 2_000.0},
+    "large": {"prompt_per_mtok": 10_000.0, "completion_per_mtok": 20_000.0},
+}
+CASCADE = {"cascade_small_pool": "small", "cascade_large_pool": "large"}
+
+
+def test_dashboard_shows_what_requests_cost(redis_url, tmp_path):
+    # Issue 37's usage fields (cost per row and line, currency, savings) come with the
+    # gateway's prices: expected to fail (xfail) on a gateway that does not send them yet.
+    chromium, sync_playwright = _browser_or_fail()
+    has_prices = "prices" in {f.name for f in dataclasses.fields(GatewayConfig)}
+    with gateway_stack(redis_url, **({"prices": PRICES} if has_prices else {}), **CASCADE) as stack:
+        acme = stack.tenant("acme")
+        with stack.client(acme) as c:
+            for model in ("small", "large", "auto"):
+                assert c.post("/v1/completions", json={**BODY, "model": model}).status_code == 200
+        deadline = time.monotonic() + 10
+        while len(stack.usage(acme)["recent"]) < 3:
+            assert time.monotonic() < deadline, "usage not recorded in time"
+            time.sleep(0.02)
+        doc = stack.usage(acme)
+        if not has_prices or "currency" not in doc:
+            pytest.xfail("this gateway's /v1/usage has no money fields yet")
+        assert doc["currency"] == "USD"
+        lines = doc["recent"]
+        assert all(line["cost"] > 0 for line in lines), lines
+
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 900})
+                errors: list[str] = []
+                page.on("pageerror", lambda exc: errors.append(str(exc)))
+                _sign_in(page, stack.url, acme)
+                page.wait_for_selector("body[data-loaded]")
+
+                # Each recent request's cost, as the gateway charged it, in its currency.
+                recent = page.get_by_test_id("recent")
+                assert "cost" in recent.locator("th").all_inner_texts()
+                column = recent.locator("th").all_inner_texts().index("cost")
+                shown = [
+                    row.locator("td").nth(column).inner_text()
+                    for row in recent.locator("tr").all()[1:]
+                ]
+                wanted = page.evaluate(
+                    "(costs) => costs.map((c) => money(c, 'USD'))", [x["cost"] for x in lines]
+                )
+                assert shown == wanted and all(c.startswith("$") for c in shown), shown
+
+                # Today's spend, and spend per model: the pools that served.
+                assert page.locator("[data-testid=chart-spend-day] rect.bar").count() >= 1
+                model_chart = page.get_by_test_id("chart-spend-model").inner_text()
+                assert "small" in model_chart and "large" in model_chart
+
+                # The one auto request, on one pool, and what it cost three ways.
+                assert page.locator("#routing-section").is_visible()
+                total = page.locator("[data-testid=routing-table] tr", has_text="total")
+                assert total.locator("td").all_inner_texts()[1:3] == ["1", "100%"]
+                cost = page.get_by_test_id("routing-cost").locator("td.num").all_inner_texts()
+                assert len(cost) == 3 and all(c.startswith("$") for c in cost), cost
+                page.screenshot(path=str(tmp_path / "dashboard-money.png"), full_page=True)
+                assert not errors, errors
+            finally:
+                browser.close()
+    print(f"screenshot: {tmp_path}/dashboard-money.png")
