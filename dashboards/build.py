@@ -3,27 +3,32 @@
     python dashboards/build.py
 
 The JSON files are committed; edit the panels here and re-run. Every query sums over
-`instance`, so several gateway replicas (each its own scrape target) show as one.
+`instance`, so several gateway replicas (each its own scrape target) show as one; a budget
+gauge (each replica's view as of its last request for the tenant) takes the most spent one.
+Money is in the gateway's `currency` (USD unless configured): set CURRENCY_UNIT to match.
 """
 
 import json
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 DS = {"type": "prometheus", "uid": "${datasource}"}
+CURRENCY_UNIT = "currencyUSD"  # Grafana's unit for the gateway's currency (currencyEUR, ...)
 
 
-def _panel(pid: int, title: str, targets: list[tuple[str, str]], x: int, y: int, **kw) -> dict:
+def _panel(pid: int, title: str, targets: list[tuple[str, str]], x: int, y: int, **kw: Any) -> dict:
     unit = kw.pop("unit", "short")
     kind = kw.pop("kind", "timeseries")
     w, h = kw.pop("w", 12), kw.pop("h", 8)
+    defaults = kw.pop("defaults", {})  # more field defaults (thresholds, ...)
     return {
         "id": pid,
         "type": kind,
         "title": title,
         "datasource": DS,
         "gridPos": {"x": x, "y": y, "w": w, "h": h},
-        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "fieldConfig": {"defaults": {"unit": unit, **defaults}, "overrides": []},
         "options": {"legend": {"displayMode": "table", "placement": "bottom"}},
         "targets": [
             {"refId": chr(65 + i), "expr": expr, "legendFormat": legend, "datasource": DS}
@@ -56,6 +61,21 @@ def _dashboard(uid: str, title: str, panels: list[dict], variables: list[dict]) 
     }
 
 
+# The TenantNearBudget alert's threshold (alerts.yml) as a line on the budget panel.
+NEAR_BUDGET = {
+    "min": 0,
+    "thresholds": {
+        "mode": "absolute",
+        "steps": [
+            {"color": "green", "value": None},
+            {"color": "orange", "value": 0.9},
+            {"color": "red", "value": 1},
+        ],
+    },
+    "custom": {"thresholdsStyle": {"mode": "line+area"}},
+}
+
+
 def tenant_usage() -> dict:
     t = 'tenant=~"$tenant"'
     tenant_var = {
@@ -71,6 +91,7 @@ def tenant_usage() -> dict:
         "current": {},
     }
     tok = "switchyard_gateway_tokens_total"
+    spend = "switchyard_gateway_spend_total"
     panels = [
         _panel(1, "Tokens per second by model", [
             (f'sum by (model, kind) (rate({tok}{{{t}, kind!="cached"}}[$__rate_interval]))',
@@ -100,6 +121,26 @@ def tenant_usage() -> dict:
              "switchyard_gateway_e2e_request_latency_seconds_bucket[$__rate_interval])))",
              "p99 {{pool}}"),
         ], 12, 16, unit="s"),
+        _panel(7, "Spend per hour by tenant", [
+            (f"sum by (tenant) (rate({spend}{{{t}}}[$__rate_interval])) * 3600", "{{tenant}}"),
+        ], 0, 24, unit=CURRENCY_UNIT),
+        _panel(8, "Spend per day by tenant and model", [
+            (f"sum by (tenant, model) (increase({spend}{{{t}}}[1d]))", "{{tenant}} {{model}}"),
+        ], 12, 24, kind="barchart", interval="1d", unit=CURRENCY_UNIT),
+        _panel(9, "Budget spent (share of the hard budget, this period)", [
+            (f"max by (tenant) (switchyard_gateway_budget_spent_ratio{{{t}}})", "{{tenant}}"),
+        ], 0, 32, unit="percentunit", defaults=NEAR_BUDGET),
+        _panel(10, "Budget remaining (this period)", [
+            (f"min by (tenant) (switchyard_gateway_budget_remaining{{{t}}})", "{{tenant}}"),
+        ], 12, 32, unit=CURRENCY_UNIT),
+        _panel(11, "Budget refusals", [
+            ("sum by (tenant) (rate(switchyard_gateway_budget_refusals_total"
+             f"{{{t}}}[$__rate_interval]))", "{{tenant}}"),
+        ], 0, 40, unit="reqps"),
+        _panel(12, "Soft budget crossings per hour", [
+            ("sum by (tenant) (increase(switchyard_gateway_budget_soft_crossings_total"
+             f"{{{t}}}[1h]))", "{{tenant}}"),
+        ], 12, 40),
     ]  # fmt: skip
     return _dashboard("switchyard-tenant-usage", "Switchyard / tenant usage", panels, [tenant_var])
 
@@ -111,6 +152,7 @@ def fleet() -> dict:
             f"(rate({metric}_bucket[$__rate_interval])))"
         )
 
+    decisions = "rate(switchyard_cascade_decisions_total[$__rate_interval])"
     ttft = "switchyard_gateway_time_to_first_token_seconds"
     itl = "switchyard_gateway_inter_token_latency_seconds"
     panels = [
@@ -162,6 +204,20 @@ def fleet() -> dict:
             ("sum(rate(switchyard_gateway_quota_redis_errors_total[$__rate_interval]))",
              "redis errors /s"),
         ], 12, 32),
+        _panel(11, "Auto routing: share per pool and route, escalated, overflowed", [
+            (f"sum by (pool, route) ({decisions}) / ignoring (pool, route) group_left "
+             f"sum ({decisions})", "{{pool}} by {{route}}"),
+            (f'sum (rate(switchyard_cascade_escalations_total[$__rate_interval])) '
+             f"/ sum ({decisions})", "escalated"),
+            (f'sum (rate(switchyard_cascade_decisions_total{{route="overflow"}}'
+             f"[$__rate_interval])) / sum ({decisions})", "overflowed"),
+        ], 0, 40, unit="percentunit"),
+        _panel(12, "Spend per hour by pool: tenants' and shadow runs'", [
+            ("sum by (model) (rate(switchyard_gateway_spend_total[$__rate_interval])) * 3600",
+             "{{model}} tenants"),
+            ("sum by (pool) (rate(switchyard_gateway_shadow_spend_total[$__rate_interval]))"
+             " * 3600", "{{pool}} shadow"),
+        ], 12, 40, unit=CURRENCY_UNIT),
     ]  # fmt: skip
     return _dashboard("switchyard-fleet", "Switchyard / fleet", panels, [])
 
