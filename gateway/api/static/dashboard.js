@@ -38,14 +38,15 @@ const NONE = "\u2014";
 function money(n, currency) {
   if (typeof n !== "number" || !Number.isFinite(n)) return NONE;
   const a = Math.abs(n);
-  // Under 10k, the currency's own decimals (cents, none for yen); a fraction of a cent keeps
-  // two digits; from 10k up, compact.
+  // The currency's own decimals (cents; none for yen), except that an amount under 1 the
+  // cents would round keeps two significant digits ($0.016, not $0.02); from 10k up, compact.
+  const cents = a >= 1 || Math.round(a * 100) / 100 === Number(a.toPrecision(2));
   const opts = a >= 1e4 ? { notation: "compact", maximumFractionDigits: 1 }
-    : a >= 1 || a === 0 ? {} : { maximumSignificantDigits: 2 };
+    : cents ? {} : { maximumSignificantDigits: 2 };
   try {
     return new Intl.NumberFormat("en-US", { ...opts, style: "currency", currency }).format(n);
   } catch (err) { // no currency, or not a code Intl knows: the number, then the code
-    const plain = a >= 1 || a === 0 ? { minimumFractionDigits: 2, maximumFractionDigits: 2 } : {};
+    const plain = cents ? { minimumFractionDigits: 2, maximumFractionDigits: 2 } : {};
     return new Intl.NumberFormat("en-US", { ...plain, ...opts }).format(n)
       + (currency ? " " + currency : "");
   }
@@ -83,7 +84,7 @@ async function api(path) {
 function stackedBars(target, labels, series, colors, format = fmt) {
   // series: [{name, values}] stacked per label; `format` writes an amount (axis, tooltips).
   const totals = labels.map((_, i) => series.reduce((s, x) => s + x.values[i], 0));
-  const max = Math.max(1, ...totals);
+  const max = Math.max(...totals) || 1; // money may be all under 1
   // The left margin holds the longest axis label (7 units a character at 11px is generous).
   const W = 460, H = 200, B = 28, T = 8;
   const L = 10 + 7 * Math.max(...[0, 1, 2, 3, 4].map((g) => format(max * g / 4).length));
@@ -284,13 +285,13 @@ function routing(doc) {
     split.append(part);
     legend.append(el("span", {}, swatch, `${r.model} ${pct(share)}`));
   });
+  // Each pool's share is in the legend: four columns fit the narrowest card (400 px).
   const counts = el("table", { "data-testid": "routing-table" });
-  table(counts, ["pool", "requests", "share", "escalated", "overflowed"], [
-    ...served.map((r) => [r.model, fmt(r.auto_requests), pct(r.auto_requests / total),
-                          count(r.auto_escalated), count(r.auto_overflowed)]),
-    ["total", fmt(total), "100%", count(sum(rows, "auto_escalated")),
-     count(sum(rows, "auto_overflowed"))],
-  ], ["name", "num", "num", "num", "num"]);
+  table(counts, ["pool", "requests", "escalated", "overflowed"], [
+    ...served.map((r) => [r.model, fmt(r.auto_requests), count(r.auto_escalated),
+                          count(r.auto_overflowed)]),
+    ["total", fmt(total), count(sum(rows, "auto_escalated")), count(sum(rows, "auto_overflowed"))],
+  ], ["name", "num", "num", "num"]);
   $("routing").replaceChildren(split, legend, el("div", { class: "scroll" }, counts),
                                ...autoCost(doc, rows));
 }

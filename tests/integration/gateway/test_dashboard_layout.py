@@ -24,7 +24,7 @@ from tests.integration.gateway.test_dashboard_page import _browser_or_fail
 ORIGIN = "http://dashboard.test"
 ADMIN_KEY = "admin-key"
 TENANT_KEY = "sy-0a1b2c3d-secret"
-WIDTHS = (360, 768, 1000, 1024, 1400, 1920)
+WIDTHS = (360, 768, 1000, 1024, 1280, 1400, 1920)  # 1280: three columns at their narrowest
 # From this width up the tables fit their cards: no scroll container may scroll.
 FITS_FROM_PX = 1000
 DAY_S = 86400

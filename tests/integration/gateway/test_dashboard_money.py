@@ -108,15 +108,16 @@ def test_budget_spend_and_routing_read_in_the_currency(browser, pages, key):
 
         # Routing: shares of the auto requests per pool, escalations and overflow, and what
         # auto cost against all-large and all-small (from the document's `savings`).
-        assert _cells(page, "routing-table", "small") == ["small", "1.6M", "33%", "123.5k", "98.8k"]
-        assert _cells(page, "routing-table", "total") == [
-            "total",
-            "4.8M",
-            "100%",
-            "370.4k",
-            "296.3k",
+        assert _cells(page, "routing-table", "small") == ["small", "1.6M", "123.5k", "98.8k"]
+        assert _cells(page, "routing-table", "total") == ["total", "4.8M", "370.4k", "296.3k"]
+        split = page.locator("[data-testid=routing-split] > span")
+        assert split.evaluate_all("s => s.map((x) => x.title)") == [
+            "meta-llama/Llama-3.1-70B-Instruct-long-context-128k: 42%",
+            "small: 33%",
+            "qwen2.5-coder-32b-instruct-awq-int4-experimental-build: 25%",
         ]
-        assert page.locator("[data-testid=routing-split] > span").count() == 3
+        legend_text = page.locator("#routing .legend").inner_text()
+        assert "small 33%" in legend_text
         cost = page.get_by_test_id("routing-cost")
         assert cost.locator("td.num").all_inner_texts() == ["$1.5M", "$2.9M", "$410K"]
         saved = page.get_by_test_id("routing-saved").inner_text()
@@ -161,6 +162,8 @@ def test_a_gateway_without_prices_shows_no_money_and_lays_out(browser, pages, wi
 AMOUNTS = [
     (0, "USD", "$0.00"),
     (0.000412, "USD", "$0.00041"),
+    (0.016, "USD", "$0.016"),
+    (0.5, "USD", "$0.50"),
     (12.3456, "USD", "$12.35"),
     (9_999.5, "USD", "$9,999.50"),
     (1_234_567.89, "EUR", "€1.2M"),
