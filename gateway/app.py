@@ -13,7 +13,13 @@ from litestar.openapi import OpenAPIConfig
 from litestar.params import FromPath
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.api.admin import FleetController, KeyController, RoutingController, TenantController
+from gateway.api.admin import (
+    FleetController,
+    KeyController,
+    PriceController,
+    RoutingController,
+    TenantController,
+)
 from gateway.api.admin_base import gateway_state
 from gateway.api.dashboard import dashboard_routes
 from gateway.api.learning import ClassifierController, learning_routes
@@ -158,6 +164,7 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
             TenantController,
             KeyController,
             RoutingController,
+            PriceController,
             FleetController,
             UsageController,
             ClassifierController,

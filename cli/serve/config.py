@@ -74,6 +74,10 @@ class PoolSection:
     llama_server: LlamaServerSection = field(default_factory=LlamaServerSection)
     # llamacpp: the gateway's UpstreamConfig fields but kind (max_concurrency, ...).
     upstream: dict[str, Any] = field(default_factory=dict)
+    # What the pool charges (gateway/billing/prices.py PoolPrice): per million prompt,
+    # cached and completion tokens, or per compute-second; null: free. Changed at runtime
+    # with PUT /admin/prices.
+    price: dict[str, Any] | None = None
 
     @property
     def argv(self) -> list[str] | None:
@@ -231,6 +235,16 @@ def check(cfg: ServeConfig, where: str) -> None:
             raise SystemExit(f"{at}: {exc}") from None
     reserved = {"pools", "tokenizers", "cascade_small_pool", "cascade_large_pool", "redis_url"}
     reserved |= {"data_dir", "admin_key", "default_pool", "classifier_path", "upstreams"}
+    reserved |= {"prices"}  # pools.<name>.price
+    from gateway.billing.prices import prices_from_dict
+
+    try:
+        prices_from_dict(
+            {n: p.price for n, p in cfg.pools.items() if p.price is not None},
+            {n: p.kind for n, p in cfg.pools.items()},
+        )
+    except ValueError as exc:
+        raise SystemExit(f"{where}: {exc}") from None
     bad = sorted(set(cfg.gateway.options) & reserved)
     if bad:
         raise SystemExit(f"{where}: gateway.options may not set {bad} (serve sets them)")

@@ -239,6 +239,7 @@ def gateway_config(
     targets = {n: p.ttft_target_s for n, p in cfg.pools.items() if p.ttft_target_s is not None}
     gc.ttft_target_s = {**targets, **gc.ttft_target_s}  # gateway.options' own win
     gc.tokenizers = {name: str(path) for name, path in model_dirs.items()}
+    gc.prices = {name: dict(p.price) for name, p in cfg.pools.items() if p.price is not None}
     for name, pool in cfg.pools.items():
         upstream = upstream_config(pool)
         if upstream is None:

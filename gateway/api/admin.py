@@ -14,7 +14,9 @@ from gateway.api.admin_schemas import NewKey, NewTenant, TenantBody, tenant_chan
 from gateway.api.bodies import read_struct
 from gateway.capacity.pool import Pool
 from gateway.gateway import Gateway
+from quota.budget import budget_to_dict
 from quota.errors import TenantNotFound
+from quota.models import ApiKeyRecord, Tenant
 from workers.api.types import ApiError
 
 
@@ -25,18 +27,18 @@ class TenantController(AdminController):
     async def create_tenant(self, gw: GatewayDep, request: Request) -> dict[str, Any]:
         body = await read_struct(request, NewTenant)
         fields = whole_tenant(body.tenant_id, body, gw.pools)
-        return asdict(await gw.store.create_tenant(body.tenant_id, **fields))
+        return tenant_doc(await gw.store.create_tenant(body.tenant_id, **fields))
 
     @get("/tenants")
     async def list_tenants(self, gw: GatewayDep) -> dict[str, Any]:
-        return {"data": [asdict(t) for t in await gw.store.list_tenants()]}
+        return {"data": [tenant_doc(t) for t in await gw.store.list_tenants()]}
 
     @get("/tenants/{tenant_id:str}")
     async def get_tenant(self, gw: GatewayDep, tenant_id: FromPath[str]) -> dict[str, Any]:
         tenant = await gw.store.get_tenant(tenant_id)
         if tenant is None:
             raise TenantNotFound(tenant_id)
-        return asdict(tenant)
+        return tenant_doc(tenant)
 
     @patch("/tenants/{tenant_id:str}")
     async def update_tenant(
@@ -50,7 +52,7 @@ class TenantController(AdminController):
         changes = tenant_changes(current, body, gw.pools)
         updated = await gw.store.update_tenant(tenant_id, **changes)
         gw.keys_changed()
-        return asdict(updated)
+        return tenant_doc(updated)
 
     @put("/tenants/{tenant_id:str}", status_code=200)
     async def replace_tenant(
@@ -60,7 +62,7 @@ class TenantController(AdminController):
         body = await read_struct(request, TenantBody)
         updated = await gw.store.update_tenant(tenant_id, **whole_tenant(tenant_id, body, gw.pools))
         gw.keys_changed()
-        return asdict(updated)
+        return tenant_doc(updated)
 
     @delete("/tenants/{tenant_id:str}", status_code=200)
     async def delete_tenant(self, gw: GatewayDep, tenant_id: FromPath[str]) -> dict[str, Any]:
@@ -79,14 +81,15 @@ class KeyController(AdminController):
     ) -> dict[str, Any]:
         body = await read_struct(request, NewKey)
         limits = body.limits.over() if body.limits is not None else None
-        issued = await gw.store.create_key(tenant_id, body.name, body.expires_at, limits)
-        return {**asdict(issued.record), "key": issued.plaintext}
+        budget = body.budget.budget() if body.budget is not None else None
+        issued = await gw.store.create_key(tenant_id, body.name, body.expires_at, limits, budget)
+        return {**tenant_doc(issued.record), "key": issued.plaintext}
 
     @get("/tenants/{tenant_id:str}/keys")
     async def list_keys(self, gw: GatewayDep, tenant_id: FromPath[str]) -> dict[str, Any]:
         keys = await gw.store.list_keys(tenant_id)
         used = await gw.usage.key_last_used(tenant_id) if gw.usage is not None else {}
-        return {"data": [{**asdict(k), "last_used_at": used.get(k.key_id)} for k in keys]}
+        return {"data": [{**tenant_doc(k), "last_used_at": used.get(k.key_id)} for k in keys]}
 
     @delete("/keys/{key_id:str}", status_code=200)
     async def revoke_key(self, gw: GatewayDep, key_id: FromPath[str]) -> dict[str, Any]:
@@ -94,6 +97,45 @@ class KeyController(AdminController):
             raise ApiError(404, f"unknown key {key_id!r}", param="key_id", code="key_not_found")
         gw.keys_changed()
         return {"revoked": key_id}
+
+
+def tenant_doc(record: Tenant | ApiKeyRecord) -> dict[str, Any]:
+    """A tenant or key record as the admin API shows it: its budget in units of currency."""
+    doc = asdict(record)
+    doc["budget"] = budget_to_dict(record.budget)
+    return doc
+
+
+class PriceController(AdminController):
+    """The price list per pool (`gateway.billing.book`): replaced whole by PUT, applied to
+    requests admitted after it (in every gateway within a second), each change audited."""
+
+    path = "/admin/prices"
+
+    @get("/")
+    async def get_prices(self, gw: GatewayDep) -> dict[str, Any]:
+        await gw.prices.refresh(force=True)
+        return gw.prices.to_dict()
+
+    @put("/", status_code=200)
+    async def put_prices(
+        self, gw: GatewayDep, request: Request, who: AdminUser = "admin"
+    ) -> dict[str, Any]:
+        """`{"pools": {name: {prompt_per_mtok, cached_per_mtok, completion_per_mtok,
+        per_compute_s, reserve_compute_s_per_token}}}`; a pool left out is free."""
+        body = await read_struct(request, dict[str, Any])
+        unknown = sorted(set(body) - {"pools"})
+        if unknown or "pools" not in body:
+            name = unknown[0] if unknown else "pools"
+            raise ApiError(400, f'the body is {{"pools": {{...}}}}; {name!r} is not', param=name)
+        try:
+            return await gw.prices.update(body["pools"], who)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="pools", code="invalid_prices") from None
+
+    @get("/audit")
+    async def prices_audit(self, gw: GatewayDep) -> dict[str, Any]:
+        return {"data": await gw.prices.audit()}
 
 
 class RoutingController(AdminController):

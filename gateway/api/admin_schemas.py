@@ -14,6 +14,8 @@ from typing import Annotated, Any
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from quota.budget import Budget, budget_from_dict
+from quota.errors import InvalidLimits
 from quota.models import MAX_LIMIT, TENANT_ID_RE, Tenant, TenantLimits
 from workers.api.types import ApiError
 
@@ -43,6 +45,23 @@ class LimitsBody(Struct, forbid_unknown_fields=True):
         return TenantLimits(**merged)
 
 
+class BudgetBody(Struct, forbid_unknown_fields=True):
+    """A tenant's or a key's money `budget` (quota.budget.Budget), amounts in units of the
+    gateway's currency; it is replaced whole (a PATCH does not merge inside it)."""
+
+    period: str = "month"  # day | month | rolling
+    window_days: int | None = None  # rolling only
+    hard: float | None = None  # refused past it
+    soft: float | None = None  # the webhook and a metric, once per period
+    spend_target: float | None = None  # `auto` saves as spend nears it
+
+    def budget(self, where: str = "budget") -> Budget | None:
+        try:
+            return budget_from_dict({f: getattr(self, f) for f in self.__struct_fields__}, where)
+        except InvalidLimits as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+
+
 class TenantBody(Struct, forbid_unknown_fields=True):
     """`PUT` (the whole document) and `PATCH` (a merge) of /admin/tenants/{id}."""
 
@@ -52,6 +71,7 @@ class TenantBody(Struct, forbid_unknown_fields=True):
     allow_overflow: bool | None | UnsetType = UNSET
     # The most urgent `priority` its requests may ask (lower is more urgent); null: 0.
     priority_ceiling: int | None | UnsetType = UNSET
+    budget: BudgetBody | None | UnsetType = UNSET  # null: no money budget
 
 
 class NewTenant(TenantBody, forbid_unknown_fields=True, kw_only=True):
@@ -67,6 +87,7 @@ class NewKey(Struct, forbid_unknown_fields=True):
     name: str | None = None
     expires_at: float | None = None  # unix seconds; None: never expires
     limits: LimitsBody | None = None
+    budget: BudgetBody | None = None  # the key's own, below its tenant's; None: none
 
 
 def whole_tenant(tenant_id: str, body: TenantBody, pools: Collection[str]) -> dict[str, Any]:
@@ -78,6 +99,7 @@ def whole_tenant(tenant_id: str, body: TenantBody, pools: Collection[str]) -> di
         "allowed_models": models_of(body.allowed_models or [], pools),
         "allow_overflow": body.allow_overflow if isinstance(body.allow_overflow, bool) else True,
         "priority_ceiling": body.priority_ceiling if isinstance(body.priority_ceiling, int) else 0,
+        "budget": body.budget.budget() if isinstance(body.budget, BudgetBody) else None,
     }
 
 
@@ -96,6 +118,8 @@ def tenant_changes(current: Tenant, body: TenantBody, pools: Collection[str]) ->
     if body.priority_ceiling is not UNSET:
         ceiling = body.priority_ceiling
         changes["priority_ceiling"] = 0 if ceiling is None else ceiling
+    if body.budget is not UNSET:
+        changes["budget"] = body.budget.budget() if body.budget is not None else None
     return changes
 
 

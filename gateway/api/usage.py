@@ -17,6 +17,7 @@ from litestar import Request, Response, get
 from gateway.api.admin_base import AdminController, GatewayDep
 from gateway.gateway import Gateway
 from gateway.serving.intake import authenticate_key
+from quota.budget import budget_state
 from quota.errors import QuotaUnavailable
 from quota.limiter import REDIS_DOWN
 from quota.usage import DAY_S, GROUPS, UsageRange, UsageReader, choose_range
@@ -33,6 +34,13 @@ CSV_COLUMNS = (
     "completion_tokens",
     "total_tokens",
     "mean_latency_ms",
+    "cost",
+    "auto_requests",
+    "auto_cost",
+    "auto_cost_if_all_large",
+    "auto_cost_if_all_small",
+    "auto_escalated",
+    "auto_overflowed",
 )
 
 
@@ -143,6 +151,25 @@ def to_csv(rows: list[dict], group_by: str) -> str:
     return out.getvalue()
 
 
+def savings(by_model: list[dict]) -> dict[str, Any] | None:
+    """For `auto` traffic in the range: how many requests, what they cost, what the same
+    tokens would have cost all on the large pool and all on the small one, and the share
+    each pool answered (rows grouped by model). None when there was none."""
+    auto = [row for row in by_model if row.get("auto_requests")]
+    total = sum(row["auto_requests"] for row in auto)
+    if not total:
+        return None
+    return {
+        "auto_requests": total,
+        "spent": sum(row["auto_cost"] for row in auto),
+        "all_large": sum(row["auto_cost_if_all_large"] for row in auto),
+        "all_small": sum(row["auto_cost_if_all_small"] for row in auto),
+        "escalated": sum(row["auto_escalated"] for row in auto),
+        "overflowed": sum(row["auto_overflowed"] for row in auto),
+        "share": {row["model"]: row["auto_requests"] / total for row in auto},
+    }
+
+
 def need_reader(gw: Gateway) -> UsageReader:
     if gw.usage is None:
         raise ApiError(404, "this gateway keeps no usage history", code="usage_not_enabled")
@@ -161,14 +188,24 @@ def usage_routes(gw: Gateway) -> list:
         try:
             rows = await r.query(tenant.tenant_id, rng, group_by)
             lines = await r.recent(tenant.tenant_id, recent) if recent else []
+            by_model = (
+                rows if group_by == "model" else await r.query(tenant.tenant_id, rng, "model")
+            )
         except REDIS_DOWN as exc:
             raise QuotaUnavailable(1.0) from exc
         current = await gw.limiter.usage(tenant.tenant_id)
+        budget = None
+        if tenant.budget is not None:
+            spent, now_s = await gw.limiter.spent(tenant.tenant_id, tenant.budget)
+            budget = budget_state(tenant.budget, spent, now_s)
         return {
             "tenant_id": tenant.tenant_id,
             **current,  # the current windows, as before
             "limits": vars(tenant.limits),
             **_period(rng, group_by),
+            "currency": gw.prices.currency,
+            "budget": budget,
+            "savings": savings(by_model),
             "data": rows,
             "recent": lines,
         }
@@ -209,7 +246,15 @@ class UsageController(AdminController):
                 **(await gw.limiter.usage(t.tenant_id)),
                 "limits": vars(t.limits),
             }
-        doc = {**_period(rng, group_by), "data": rows, "current": current}
+            if t.budget is not None:
+                spent, now_s = await gw.limiter.spent(t.tenant_id, t.budget)
+                current[t.tenant_id]["budget"] = budget_state(t.budget, spent, now_s)
+        doc = {
+            **_period(rng, group_by),
+            "currency": gw.prices.currency,
+            "data": rows,
+            "current": current,
+        }
         if recent:
             doc["recent"] = recents
         return doc

@@ -18,6 +18,7 @@ from gateway.gateway import Gateway
 from gateway.serving.attempts import answer_bytes, open_attempt, read_answer, relayed_error
 from gateway.serving.flight import Attempt, Flight
 from gateway.serving.plan import Plan, billed, counts, note_usage
+from quota.budget import NANOS
 from workers.api.client import UpstreamError, UpstreamResponse
 from workers.api.types import ApiError, Usage, parse_summary
 
@@ -67,6 +68,8 @@ async def _complete(
         content = await _maybe_escalate(gw, flight, content, headers)
     elif gw.learner is not None:
         gw.learner.on_answer(gw, plan, flight.req, content)
+    if flight.prices:
+        content = _with_cost(content, flight.cost_so_far(), headers)
     return Response(
         content=content, status_code=200, headers=headers, media_type="application/json"
     )
@@ -101,6 +104,18 @@ def _told(content: bytes, plan: Plan, attempt: Attempt, reported: Usage | None) 
     answer = msgspec.json.decode(content)  # an object: parse_summary decoded it
     answer["usage"] = bill
     return msgspec.json.encode(answer)
+
+
+def _with_cost(content: bytes, cost_nanos: int, headers: dict[str, str]) -> bytes:
+    """The answer with what it cost (every attempt, in units of the gateway's currency) in
+    `usage.cost` and the `x-switchyard-cost` header."""
+    cost = cost_nanos / NANOS
+    headers["x-switchyard-cost"] = repr(cost)
+    answer = msgspec.json.decode(content)
+    if isinstance(answer, dict) and isinstance(answer.get("usage"), dict):
+        answer["usage"]["cost"] = cost
+        return msgspec.json.encode(answer)
+    return content
 
 
 async def _maybe_escalate(

@@ -149,7 +149,7 @@ class Flight:
             if a.reading is not None and not a.reading.done():
                 a.reading.cancel()
 
-    def _cost_of(self, a: Attempt, bill: Usage, now: float) -> int:
+    def _cost_of(self, a: Attempt, bill: Usage, now: float, observe: bool = False) -> int:
         """What one attempt costs at the flight's prices: its billed tokens, or the engine
         seconds its worker reported, bounded by the attempt's own wall time."""
         pool = a.lease.pool.name
@@ -162,7 +162,7 @@ class Flight:
         details = bill.prompt_tokens_details
         cached = details.cached_tokens if details is not None else 0
         used = Tokens(bill.prompt_tokens, cached, bill.completion_tokens, seconds)
-        if seconds is not None and price.by_compute:
+        if observe and seconds is not None and price.by_compute:
             self.gw.prices.observe_compute(pool, bill.total_tokens, seconds)
         return cost_nanos(price, used, self.gw.prices.compute_per_token_s(pool))
 
@@ -210,7 +210,7 @@ class Flight:
             a.lease.pool.record_tokens(bill.completion_tokens, a.lease.ticket.max_tokens)
             details = bill.prompt_tokens_details
             cached = details.cached_tokens if details is not None else 0
-            part_cost = self._cost_of(a, bill, now)
+            part_cost = self._cost_of(a, bill, now, observe=True)
             parts.append(
                 UsagePart(model, bill.prompt_tokens, cached, bill.completion_tokens, part_cost)
             )

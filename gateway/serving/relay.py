@@ -21,13 +21,14 @@ wrote, only as the chunk's own keys, however the JSON is spaced.
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 
 from gateway.serving.flight import Attempt
 from gateway.serving.plan import Plan, billed, counts, note_usage
 from gateway.serving.resume import StreamLog
+from quota.budget import NANOS
 from workers.api.client import UpstreamError, UpstreamResponse
 from workers.api.types import Usage, parse_chunk
 
@@ -94,6 +95,7 @@ async def relay(
     idle_s: float,
     max_bytes: int,
     log: StreamLog | None = None,
+    cost: Callable[[], int] | None = None,
 ) -> AsyncIterator[bytes]:
     """Forward the upstream's SSE events, noting usage and progress in `attempt.served`.
     `log`: a resumable stream's (`gateway.serving.resume`): output chunks' token ids are
@@ -103,7 +105,8 @@ async def relay(
     mid-stream or sends more than `max_bytes` (StreamHandedOver when, draining, it hands a
     resumable stream over), StreamTimeout when it goes silent or the
     request's deadline passes, StreamAborted when the gateway cuts it; the caller reports
-    those in-band.
+    those in-band. `cost`: what the request has cost so far (nanos), told in the usage
+    event as `usage.cost` (None: unpriced, the event as the worker sent it).
     """
     served = attempt.served
     pending: list[bytes] = []  # the pieces of an event not ended yet
@@ -168,7 +171,7 @@ async def relay(
                         # completions): the chunk goes on, without what was not asked for.
                         data = _without_usage(data)
                     else:
-                        data = _as_billed(data, chunk.usage, plan, attempt)
+                        data = _as_billed(data, chunk.usage, plan, attempt, cost)
                 if chunk.error is not None:
                     if log is not None and chunk.error.code == HANDED_OVER:
                         if out:
@@ -185,14 +188,25 @@ async def relay(
             return
 
 
-def _as_billed(data: bytes, reported: Usage, plan: Plan, attempt: Attempt) -> bytes:
+def _as_billed(
+    data: bytes,
+    reported: Usage,
+    plan: Plan,
+    attempt: Attempt,
+    cost: Callable[[], int] | None = None,
+) -> bytes:
     """The usage event as the client is to see it: as sent, unless the worker claimed more
-    than the request could have produced; then with the usage it is billed."""
+    than the request could have produced (then with the usage it is billed), and with what
+    it cost where the request is priced."""
     bill = billed(plan, attempt.served)
-    if counts(reported) == counts(bill):
+    same = counts(reported) == counts(bill)
+    if same and cost is None:
         return data
     chunk = msgspec.json.decode(data)  # an object: parse_chunk decoded it
-    chunk["usage"] = bill
+    if not same:
+        chunk["usage"] = msgspec.to_builtins(bill)
+    if cost is not None and isinstance(chunk.get("usage"), dict):
+        chunk["usage"]["cost"] = cost() / NANOS
     return msgspec.json.encode(chunk)
 
 

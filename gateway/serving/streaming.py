@@ -7,6 +7,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 from litestar import Response
@@ -27,6 +28,7 @@ from gateway.serving.flight import Attempt, Flight
 from gateway.serving.plan import charge
 from gateway.serving.relay import DONE, StreamAborted, StreamHandedOver, StreamTimeout, relay
 from gateway.serving.resume import StreamLog, continuation, quoted, resumable
+from quota.budget import NANOS
 from workers.api.client import UpstreamError, UpstreamResponse
 from workers.api.sse import EventStream
 from workers.api.types import ApiError, Usage
@@ -139,6 +141,7 @@ async def _relay_events(
                 gw.config.stream_idle_timeout_s,
                 answer_bytes(gw, flight),
                 log,
+                flight.cost_so_far if flight.prices else None,
             ):
                 yield event
                 tokens = attempt.served.tokens_relayed
@@ -277,7 +280,9 @@ def _usage_event(flight: Flight, attempt: Attempt) -> bytes:
         return b""
     completion = charge(plan, served) - plan.prompt_tokens if served.accepted else 0
     prompt = plan.prompt_tokens if served.accepted else 0
-    usage = Usage(prompt, completion, prompt + completion)
+    usage: Any = Usage(prompt, completion, prompt + completion)
+    if flight.prices:
+        usage = {**msgspec.to_builtins(usage), "cost": flight.cost_so_far() / NANOS}
     chunk = {
         "id": plan.request_id,
         "object": "chat.completion.chunk" if plan.chat else "text_completion",

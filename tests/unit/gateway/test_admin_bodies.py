@@ -153,6 +153,7 @@ def test_put_gives_every_field_left_out_its_default():
         "allowed_models": [],
         "allow_overflow": True,
         "priority_ceiling": 0,
+        "budget": None,
     }
     body = decode_struct(
         b'{"allowed_models": ["large", "small", "large"], "allow_overflow": false}', TenantBody
@@ -166,3 +167,19 @@ def test_allowed_models_must_name_existing_pools():
     with pytest.raises(ApiError) as caught:
         whole_tenant("acme", body, POOLS)
     assert caught.value.param == "allowed_models" and "gpt-9" in caught.value.message
+
+
+def test_a_budget_is_set_whole_cleared_by_null_and_checked_naming_its_field():
+    from quota.budget import Budget
+
+    body = decode_struct(b'{"budget": {"period": "day", "hard": 2.5}}', TenantBody)
+    whole = whole_tenant("acme", body, POOLS)
+    assert whole["budget"] == Budget("day", None, 2_500_000_000)
+    current = whole_tenant("acme", decode_struct(b"{}", TenantBody), POOLS)
+    assert tenant_changes(current, decode_struct(b'{"budget": null}', TenantBody), POOLS) == {
+        "budget": None
+    }
+    bad = decode_struct(b'{"budget": {"period": "rolling", "hard": 1}}', TenantBody)
+    with pytest.raises(ApiError) as err:
+        whole_tenant("acme", bad, POOLS)
+    assert err.value.status == 400 and err.value.param == "budget.window_days"
