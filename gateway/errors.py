@@ -2,6 +2,7 @@
 
 import math
 import random
+from datetime import UTC, datetime
 from typing import Any
 
 from litestar import Request, Response
@@ -11,7 +12,9 @@ from gateway.capacity.lease import NoReplica
 from gateway.capacity.provider import ProviderLimited
 from gateway.capacity.refusals import DeadlineExceeded, OverCapacity, QueueFull
 from gateway.serving.dispatch import Refused
+from quota.budget import NANOS
 from quota.errors import (
+    BudgetExceeded,
     InvalidLimits,
     QuotaExceeded,
     QuotaUnavailable,
@@ -38,6 +41,17 @@ def to_api_error(exc: Exception, rng: random.Random) -> ApiError:
     """Map a domain error to an ApiError (status, OpenAI type/code, Retry-After)."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, BudgetExceeded):
+        resets = datetime.fromtimestamp(exc.resets_at_s, UTC).isoformat(timespec="seconds")
+        return ApiError(
+            429,
+            f"this {exc.holder}'s {exc.period} budget is spent ({exc.spent_nanos / NANOS:.9g} "
+            f"of {exc.limit / NANOS:.9g}; the request could cost more than the "
+            f"{exc.remaining / NANOS:.9g} left); it resets at {resets}",
+            type="insufficient_quota",
+            code="budget_exceeded",
+            retry_after_s=jitter(exc.retry_after_s, rng),
+        )
     if isinstance(exc, QuotaExceeded):
         return ApiError(
             429,
