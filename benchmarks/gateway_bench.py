@@ -34,6 +34,7 @@ from benchmarks.gateway_report import (
     added_latency,
     bottleneck_notes,
     gateway_markdown,
+    money_overhead,
     scaling_ratio,
 )
 from benchmarks.processes import child_process, free_port
@@ -84,6 +85,12 @@ def bench_stack(tmp: Path, redis_url: str, token_delay_s: float = 0.0, **gateway
         yield gw, backend
 
 
+# The money path: a price on the pool and a budget no request reaches, so each request
+# reserves its worst-case cost, is checked against the budget and settles its real cost.
+BENCH_PRICE = {"prompt_per_mtok": 0.5, "cached_per_mtok": 0.125, "completion_per_mtok": 1.5}
+BENCH_BUDGET = {"period": "month", "hard": 1_000_000.0, "soft": 900_000.0}
+
+
 def _path_plans(
     opts: GatewayBenchOptions, tmp: Path, backend: BenchPath, redis_url: str
 ) -> list[tuple[str, str, AbstractContextManager[BenchPath] | None]]:
@@ -105,6 +112,19 @@ def _path_plans(
             "switchyard",
             "one gateway process",
             switchyard_path("switchyard", tmp, backend.url, redis_url, **sy),
+        ),
+        (
+            "switchyard $",
+            "one gateway process, the pool priced, the tenant under a money budget",
+            switchyard_path(
+                "switchyard $",
+                tmp,
+                backend.url,
+                redis_url,
+                budget=BENCH_BUDGET,
+                **sy,
+                prices={"small": BENCH_PRICE},
+            ),
         ),
         (
             "switchyard x2",
@@ -146,6 +166,7 @@ def compare_paths(opts: GatewayBenchOptions, tmp: Path, redis_url: str, steps: t
         "paths": paths,
         "added_latency_ms": added_latency(paths),
         "scaling_x2_over_x1_c64": scaling_ratio(paths),
+        "money_cpu_over_tokens": money_overhead(paths),
         "bottleneck_notes": bottleneck_notes(paths, os.cpu_count() or 1) if wrk_path() else [],
         "wrk": {
             "available": wrk_path() is not None,
@@ -264,7 +285,7 @@ def run_gateway_bench(opts: GatewayBenchOptions) -> dict:
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         redis = EmbeddedRedis(tmp / "redis")
-        steps = tqdm(total=6, desc="bench gateway", unit="scenario")
+        steps = tqdm(total=7, desc="bench gateway", unit="scenario")
         try:
             t0 = time.perf_counter()
             data |= compare_paths(opts, tmp, redis.url, steps)

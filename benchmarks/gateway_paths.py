@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
@@ -120,10 +121,21 @@ def gateway_process(
 
 @contextmanager
 def switchyard_path(
-    name: str, tmp: Path, backend: str, redis_url: str, **gateway_cfg
+    name: str,
+    tmp: Path,
+    backend: str,
+    redis_url: str,
+    budget: dict | None = None,
+    **gateway_cfg: Any,
 ) -> Iterator[BenchPath]:
+    """`budget`: the bench tenant's money budget (`PUT`'s form), for a priced gateway."""
     with gateway_process(tmp, backend, redis_url, **gateway_cfg) as (url, proc):
-        key = make_key(url, f"bench-{proc.pid}")
+        tenant = f"bench-{proc.pid}"
+        key = make_key(url, tenant)
+        if budget is not None:
+            h = {"authorization": f"Bearer {ADMIN}"}
+            r = httpx.patch(f"{url}/admin/tenants/{tenant}", json={"budget": budget}, headers=h)
+            r.raise_for_status()
         yield BenchPath(
             name,
             url,

@@ -52,6 +52,25 @@ def scaling_ratio(paths: dict[str, dict], connections: int = 64) -> dict[str, fl
     }
 
 
+def cpu_at(paths: dict[str, dict], name: str, mode: str, connections: int) -> float:
+    for row in paths.get(name, {}).get("wrk", []):
+        if row["mode"] == mode and row["connections"] == connections:
+            return row.get("cpu_ms_per_request", math.nan)
+    return math.nan
+
+
+def money_overhead(paths: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """Per mode and connection count, the gateway CPU per request of `switchyard $` (prices
+    and a money budget) over `switchyard` (token quotas alone), minus 1: the share money
+    adds (target <= 0.05)."""
+    out: dict[str, dict[str, float]] = {}
+    for row in paths.get("switchyard $", {}).get("wrk", []):
+        mode, conns = row["mode"], row["connections"]
+        base = cpu_at(paths, "switchyard", mode, conns)
+        out.setdefault(mode, {})[str(conns)] = row.get("cpu_ms_per_request", math.nan) / base - 1
+    return out
+
+
 def bottleneck_notes(paths: dict[str, dict], cpu_count: int) -> list[str]:
     """What may have limited the wrk runs other than the gateway: wrk's own core, the
     backend (a gateway close to the backend alone's rate), or too few cores for wrk, the
@@ -187,6 +206,19 @@ def paths_markdown(data: dict[str, Any]) -> list[str]:
             f"\n`switchyard x2` / `switchyard` at c64: plain {ratio['plain']:.2f}x, "
             f"stream {ratio['stream']:.2f}x."
         )
+        money = data.get("money_cpu_over_tokens") or {}
+        cells = [
+            f"{mode} c{conns} {100 * share:+.1f}%"
+            for mode, by in money.items()
+            for conns, share in by.items()
+        ]
+        if cells:
+            parts.append(
+                "\nGateway CPU per request with prices and a money budget (`switchyard $`) "
+                "over token quotas alone (`switchyard`), target +5% at most: "
+                + ", ".join(cells)
+                + "."
+            )
         parts.append("\nWhat limited these runs:\n")
         parts += [f"- {note}" for note in data["bottleneck_notes"]]
     rows = []

@@ -4,6 +4,8 @@ report derives (added latency, the two-process ratio, what limited a run)."""
 import math
 from pathlib import Path
 
+import pytest
+
 from benchmarks.gateway_paths import render_peer_cmd
 from benchmarks.gateway_report import (
     added_latency,
@@ -87,3 +89,21 @@ def test_without_wrk_the_report_says_so_and_still_shows_latency_and_error_rows()
     assert "**Skipped: wrk is not installed**" in md
     assert "| switchyard x2 | two | RuntimeError: exited with 1 / before ready |" in md
     assert "| direct | 1.00 | 3.00 | 2.00 | 5.00 |" in md
+
+
+def test_money_overhead_is_the_priced_paths_cpu_per_request_over_token_quotas_alone() -> None:
+    from benchmarks.gateway_report import money_overhead
+
+    paths = {
+        "switchyard": {"wrk": [_wrk("plain", 64, 1000.0, cpu_ms_per_request=0.40)]},
+        "switchyard $": {
+            "wrk": [
+                _wrk("plain", 64, 990.0, cpu_ms_per_request=0.41),
+                _wrk("stream", 64, 500.0, cpu_ms_per_request=0.9),  # no baseline: NaN
+            ]
+        },
+    }
+    money = money_overhead(paths)
+    assert money["plain"]["64"] == pytest.approx(0.025)
+    assert math.isnan(money["stream"]["64"])
+    assert money_overhead({"switchyard": paths["switchyard"]}) == {}
