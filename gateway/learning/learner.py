@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter
 from cascade.features import RequestView, request_view
 from cascade.labels import Label, builtin_verdict, features_of
 from cascade.policy import LearningSettings, learning_for
+from gateway.billing.prices import Tokens, cost_nanos
 from gateway.capacity.fair_queue import Ticket
 from gateway.capacity.lease import Lease, NoReplica
 from gateway.capacity.refusals import DeadlineExceeded, OverCapacity, QueueFull
@@ -40,6 +41,7 @@ from gateway.learning.label_store import LabelStore, RequestRecord
 from gateway.learning.shadow_budget import ShadowBudget
 from gateway.serving.dispatch import send_attempt
 from gateway.serving.plan import GatewayChatRequest, Plan, PublicRequest
+from quota.budget import NANOS
 from workers.api.client import UpstreamError, UpstreamResponse
 from workers.api.upstreams.fields import fields_of
 
@@ -301,6 +303,7 @@ class Learner:
             self.metrics.shadow.labels("failed").inc()
             return
         self.metrics.shadow.labels("run").inc()
+        _count_shadow_spend(gw, other, plan, shadowed)
         routed = msgspec.json.decode(content)
         small, large = (routed, shadowed) if plan.pool == router.small_pool else (shadowed, routed)
         await self._label_pair(gw, plan, req, small, large, settings, "shadow", large_served=False)
@@ -373,3 +376,21 @@ class Learner:
     def _count(self, label: Label) -> None:
         verdict = {None: "unknown", True: "ok", False: "not_ok"}[label.weak_ok]
         self.metrics.labels.labels(label.source, verdict).inc()
+
+
+def _count_shadow_spend(gw: "Gateway", pool: str, plan: Plan, answer: dict) -> None:
+    """A shadow run's cost at the pool's price, in the operator's metric (never charged to
+    the tenant): its answer's usage, clamped to what the request could have used."""
+    price = gw.prices.price(pool)
+    usage = answer.get("usage")
+    if price is None or gw.metrics is None or not isinstance(usage, dict):
+        return
+    completion = usage.get("completion_tokens")
+    prompt = usage.get("prompt_tokens")
+    if not isinstance(completion, int) or not isinstance(prompt, int):
+        return
+    completion = max(0, min(completion, plan.n * plan.max_tokens))
+    prompt = max(0, min(prompt, plan.attempt_tokens - completion))
+    used = Tokens(prompt, 0, completion)
+    cost = cost_nanos(price, used, gw.prices.compute_per_token_s(pool))
+    gw.metrics.shadow_spend.labels(pool).inc(cost / NANOS)

@@ -236,3 +236,71 @@ def test_auto_traffic_shows_what_it_cost_against_all_large_and_all_small(redis_u
         assert savings["auto_requests"] == 2
         assert set(savings["share"]) == {"small", "large"}
         assert savings["all_large"] > savings["spent"] > savings["all_small"] > 0
+
+
+def test_an_escalation_charges_both_attempts_and_a_shadow_run_is_the_operators(redis_url):
+    """An unsure small answer re-run large: the tenant pays both attempts, and is told so;
+    a sure answer shadowed on the large pool: the tenant pays the small answer only, and the
+    shadow run's cost goes to the operator's metric."""
+    with gateway_stack(
+        redis_url, prices=PRICES, cascade_small_pool="small", cascade_large_pool="large"
+    ) as s:
+        key = _tenant(s.url, "esc")
+        settings = {
+            "default_threshold": 1.0,  # everything small
+            "escalation": {"esc": {"enabled": True, "min_mean_logprob": -1.0}},
+            "learning": {"esc": {"shadow_fraction": 1.0, "judge": "exact"}},
+            "shadow_tokens_per_minute": 10_000,
+        }
+        with _admin(s.url) as a:
+            assert a.put("/admin/routing", json=settings).status_code == 200
+        assert eventually(lambda: s.gateway.router.settings.shadow_tokens_per_minute == 10_000)
+        headers = {"authorization": f"Bearer {key}"}
+        body = {"model": "auto", "prompt": PROMPT, "max_tokens": MAX_TOKENS}
+        large_cost = 4 * 10000 / 1e6 + MAX_TOKENS * 40000 / 1e6
+        s.backends["small0"].logprob = -5.0  # unsure: escalated
+        r = httpx.post(f"{s.url}/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.headers["x-switchyard-route"] == "escalated"
+        assert r.json()["usage"]["cost"] == pytest.approx(COST_SMALL + large_cost)
+        s.backends["small0"].logprob = -0.01  # sure: answered small, shadowed large
+        r = httpx.post(f"{s.url}/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.headers["x-switchyard-route"] == "classifier"
+        assert r.json()["usage"]["cost"] == pytest.approx(COST_SMALL)
+        metrics = s.gateway.metrics
+        assert eventually(lambda: metrics.shadow_spend.labels("large")._value.get() > 0)
+        assert metrics.shadow_spend.labels("large")._value.get() == pytest.approx(large_cost)
+        rows = _usage(s.url, key)["data"]
+        assert sum(row["cost"] for row in rows) == pytest.approx(2 * COST_SMALL + large_cost)
+        savings = _usage(s.url, key)["savings"]
+        assert savings["escalated"] == 1 and savings["auto_requests"] == 2
+
+
+def test_a_stream_cut_short_is_charged_and_told_what_was_relayed(redis_url):
+    """The worker dies half way: the tenant pays the prompt and the tokens relayed, at the
+    pool's prices, and a client that asked for usage is told that cost in-band."""
+    with gateway_stack(redis_url, prices=PRICES) as s:
+        key = _tenant(s.url, "cut")
+        s.backends["small0"].mode = "die_mid_stream"
+        body = {
+            "model": "small",
+            "prompt": PROMPT,
+            "max_tokens": MAX_TOKENS,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        headers = {"authorization": f"Bearer {key}"}
+        chunks = []
+        with httpx.stream(
+            "POST", f"{s.url}/v1/completions", json=body, headers=headers, timeout=30
+        ) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+        relayed = sum(1 for c in chunks if c.get("choices"))
+        assert 0 < relayed < MAX_TOKENS
+        usage = next(c["usage"] for c in chunks if c.get("usage"))
+        expected = (4 * 1000 + relayed * 4000) / 1e6
+        assert usage["completion_tokens"] == relayed
+        assert usage["cost"] == pytest.approx(expected)
+        assert eventually(lambda: sum(row["cost"] for row in _usage(s.url, key)["data"]) > 0)
+        assert sum(row["cost"] for row in _usage(s.url, key)["data"]) == pytest.approx(expected)
