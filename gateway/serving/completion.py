@@ -17,7 +17,7 @@ from gateway.errors import error_response, to_api_error
 from gateway.gateway import Gateway
 from gateway.serving.attempts import answer_bytes, open_attempt, read_answer, relayed_error
 from gateway.serving.flight import Attempt, Flight
-from gateway.serving.plan import Plan, billed, counts, note_usage
+from gateway.serving.plan import Plan, billed, counts, note_usage, with_usage_cost
 from quota.budget import NANOS
 from workers.api.client import UpstreamError, UpstreamResponse
 from workers.api.types import ApiError, Usage, parse_summary
@@ -111,6 +111,9 @@ def _with_cost(content: bytes, cost_nanos: int, headers: dict[str, str]) -> byte
     `usage.cost` and the `x-switchyard-cost` header."""
     cost = cost_nanos / NANOS
     headers["x-switchyard-cost"] = repr(cost)
+    spliced = with_usage_cost(content, cost)
+    if spliced is not None:
+        return spliced
     answer = msgspec.json.decode(content)
     if isinstance(answer, dict) and isinstance(answer.get("usage"), dict):
         answer["usage"]["cost"] = cost

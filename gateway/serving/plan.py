@@ -286,3 +286,25 @@ def counts(usage: Usage) -> tuple[int, int, int]:
 def charge(plan: Plan, served: Served) -> int:
     """Tokens to charge for one attempt: `billed(...).total_tokens`."""
     return billed(plan, served).total_tokens
+
+
+_USAGE_KEY = b'"usage":'
+
+
+def with_usage_cost(data: bytes, cost: float) -> bytes | None:
+    """`data` (a JSON answer or chunk) with `"cost": cost` first in its usage object, spliced
+    in without decoding the whole; None where that cannot be done safely (no usage object,
+    or more than one). `"usage":` cannot occur inside a JSON string (its quotes would be
+    escaped), so the key found is the usage member's."""
+    at = data.find(_USAGE_KEY)
+    if at < 0 or data.find(_USAGE_KEY, at + 1) >= 0:
+        return None
+    brace = at + len(_USAGE_KEY)
+    while brace < len(data) and data[brace] in b" \t\r\n":
+        brace += 1
+    if brace >= len(data) or data[brace] != ord("{"):
+        return None
+    rest = data[brace + 1 :].lstrip()
+    if not rest or rest[0] == ord("}"):
+        return None
+    return b'%s{"cost":%s,%s' % (data[:brace], repr(cost).encode(), data[brace + 1 :])

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 import msgspec
 
 from gateway.serving.flight import Attempt
-from gateway.serving.plan import Plan, billed, counts, note_usage
+from gateway.serving.plan import Plan, billed, counts, note_usage, with_usage_cost
 from gateway.serving.resume import StreamLog
 from quota.budget import NANOS
 from workers.api.client import UpstreamError, UpstreamResponse
@@ -202,6 +202,10 @@ def _as_billed(
     same = counts(reported) == counts(bill)
     if same and cost is None:
         return data
+    if same and cost is not None:
+        spliced = with_usage_cost(data, cost() / NANOS)
+        if spliced is not None:
+            return spliced
     chunk = msgspec.json.decode(data)  # an object: parse_chunk decoded it
     if not same:
         chunk["usage"] = msgspec.to_builtins(bill)

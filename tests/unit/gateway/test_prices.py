@@ -47,3 +47,35 @@ def test_the_worst_case_is_every_token_uncached_and_every_sample_at_max_tokens()
 def test_a_bad_price_list_is_refused_naming_the_field(raw: object, says: str) -> None:
     with pytest.raises(ValueError, match=says.replace(".", r"\.")):
         prices_from_dict(raw, {"small": "switchyard", "remote": "openai"})
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b'{"id":"x","choices":[{"text":"\\"usage\\": {fake}"}],"usage":{"prompt_tokens":4}}',
+        b'{"usage": {"prompt_tokens": 4, "completion_tokens": 2}, "id": "x"}',
+        b'{"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":0,"total_tokens":1}}',
+    ],
+)
+def test_the_cost_is_spliced_into_the_usage_object_and_the_json_stays_valid(answer: bytes) -> None:
+    import json
+
+    from gateway.serving.plan import with_usage_cost
+
+    out = with_usage_cost(answer, 0.000123)
+    assert out is not None
+    doc, before = json.loads(out), json.loads(answer)
+    assert doc["usage"] == {"cost": 0.000123, **before["usage"]}
+    assert {k: v for k, v in doc.items() if k != "usage"} == {
+        k: v for k, v in before.items() if k != "usage"
+    }
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [b'{"usage":null}', b'{"usage":{}}', b'{"a":{"usage":{"x":1}},"usage":{"y":1}}', b"{}"],
+)
+def test_what_cannot_be_spliced_safely_is_left_to_the_decoder(answer: bytes) -> None:
+    from gateway.serving.plan import with_usage_cost
+
+    assert with_usage_cost(answer, 1.0) is None
