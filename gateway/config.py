@@ -154,6 +154,7 @@ class GatewayConfig:
     fail_tokens: str = "open"
     fail_requests: str = "open"
     fail_concurrency: str = "open"
+    fail_budget: str = "open"  # a hard money budget (quota.budget)
     # A pool member that has not answered a poll since it joined counts as starting (its
     # server not listening yet) for this long; after that, silent is lost. While no member
     # of a pool is ready, loading or starting, its requests are refused at once (503,

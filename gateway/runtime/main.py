@@ -108,6 +108,7 @@ def build_gateway(
         tokens=config.fail_tokens,
         requests=config.fail_requests,
         concurrency=config.fail_concurrency,
+        budget=config.fail_budget,
     )
     router = learner = None
     if config.cascade_small_pool and config.cascade_large_pool:
