@@ -142,3 +142,18 @@ async def test_concurrent_reservations_never_pass_the_hard_budget(
     spent = (await a.spent("acme", t.budget))[0]  # type: ignore[arg-type]
     assert admitted == 33  # floor(10 / 0.3)
     assert spent == admitted * (NANOS // 1000 * 3 // 10) <= t.budget.hard_nanos  # type: ignore[union-attr,operator]
+
+
+async def test_a_day_budget_starts_afresh_each_utc_day(
+    limiter: QuotaLimiter, redis_client: redis.asyncio.Redis
+) -> None:
+    """Yesterday's spend (its counter still kept, for rolling windows) is not today's: the
+    day rolled over, the budget is whole again; the month's counter is a month budget's."""
+    day = await today(redis_client)
+    await redis_client.set(keyspace.spend_day("acme", day - 1), 10_000)
+    t = tenant(Budget("day", hard_nanos=1000))
+    r, _ = await limiter.reserve(t, "r1", 1, cost_nanos=1000)
+    assert r.spent_nanos == 1000
+    await redis_client.set(keyspace.spend_month("acme", month_of_day(day)), 10_000)
+    with pytest.raises(BudgetExceeded):
+        await limiter.reserve(tenant(Budget("month", hard_nanos=1000)), "r2", 1, 1)
