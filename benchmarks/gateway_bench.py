@@ -39,7 +39,7 @@ from benchmarks.gateway_report import (
 )
 from benchmarks.processes import child_process, free_port
 from benchmarks.stats import write_report
-from benchmarks.wrk import run_wrk, wrk_path
+from benchmarks.wrk import cpu_seconds, run_wrk, wrk_path
 
 # The throughput gateways admit up to this many requests per worker before queueing, above
 # the 64 connections of the largest wrk cell: the runs measure relaying, not the queue, and
@@ -183,6 +183,44 @@ def compare_paths(opts: GatewayBenchOptions, tmp: Path, redis_url: str, steps: t
 BOUNDED_MAX_WAIT_S = 0.01
 
 
+MONEY_ROUNDS = 5
+MONEY_RUN_S = 8.0
+MONEY_CONNECTIONS = 16
+
+
+def money_ab(tmp: Path, redis_url: str, rounds: int, run_s: float) -> dict:
+    """The gateway CPU per request that prices and a money budget add, measured so that the
+    machine's drift cancels: a gateway with token quotas alone and one priced with a
+    budget, each started fresh and loaded in turn (plain requests, wrk), `rounds` times;
+    the verdict is the median of the rounds' paired ratios."""
+    if wrk_path() is None:
+        return {"error": "wrk is not installed (apt-get install wrk)"}
+    sy = {"max_inflight_per_worker": THROUGHPUT_INFLIGHT}
+    rows: list[dict[str, float]] = []
+    with fake_backend(tmp) as backend:
+        for _ in range(rounds):
+            row: dict[str, float] = {}
+            for name, extra in (
+                ("tokens", {}),
+                ("money", {"budget": BENCH_BUDGET, "prices": {"small": BENCH_PRICE}}),
+            ):
+                with switchyard_path(name, tmp, backend.url, redis_url, **extra, **sy) as path:
+                    target = (f"{path.url}/v1/completions", {**BODY, "stream": False}, path.headers)
+                    run_wrk(*target, connections=MONEY_CONNECTIONS, duration_s=2.0)  # warm up
+                    c0 = cpu_seconds(path.pids)
+                    r = run_wrk(*target, connections=MONEY_CONNECTIONS, duration_s=run_s)
+                    row[name] = (cpu_seconds(path.pids) - c0) * 1e3 / max(1, r.requests)
+            rows.append(row)
+    ratios = sorted(row["money"] / row["tokens"] - 1 for row in rows)
+    return {
+        "rounds": rows,
+        "connections": MONEY_CONNECTIONS,
+        "run_s": run_s,
+        "median_added": ratios[len(ratios) // 2],
+        "target_added": 0.05,
+    }
+
+
 def overload_and_fairness(tmp: Path, redis_url: str, overload_s: float, steps: tqdm) -> dict:
     # Overload: a backend with capacity ~ 8 in flight x (1 / 0.2 s) = 40 requests/s. Its
     # service time is fixed, so the 8 slots tend to free together every 0.2 s: a bound on
@@ -285,14 +323,21 @@ def run_gateway_bench(opts: GatewayBenchOptions) -> dict:
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         redis = EmbeddedRedis(tmp / "redis")
-        steps = tqdm(total=7, desc="bench gateway", unit="scenario")
+        steps = tqdm(total=8, desc="bench gateway", unit="scenario")
         try:
             t0 = time.perf_counter()
             data |= compare_paths(opts, tmp, redis.url, steps)
             t1 = time.perf_counter()
             data |= overload_and_fairness(tmp, redis.url, overload_s, steps)
             t2 = time.perf_counter()
-            data["elapsed_s"] = {"paths": t1 - t0, "overload_and_fairness": t2 - t1}
+            rounds = 1 if opts.quick else MONEY_ROUNDS
+            data["money_ab"] = money_ab(tmp, redis.url, rounds, 2.0 if opts.quick else MONEY_RUN_S)
+            steps.update()
+            data["elapsed_s"] = {
+                "paths": t1 - t0,
+                "overload_and_fairness": t2 - t1,
+                "money_ab": time.perf_counter() - t2,
+            }
         finally:
             steps.close()
             redis.close()

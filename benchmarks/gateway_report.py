@@ -339,4 +339,39 @@ def gateway_markdown(data: dict[str, Any], quick: bool) -> str:
     parts = ["**Quick smoke run: these figures are not the benchmark.**\n"] if quick else []
     parts += paths_markdown(data)
     parts += overload_fairness_markdown(data)
+    parts += money_ab_markdown(data.get("money_ab"))
     return "\n".join(parts)
+
+
+def money_ab_markdown(ab: dict[str, Any] | None) -> list[str]:
+    if not ab:
+        return []
+    parts = ["\n## Money: the gateway CPU that prices and budgets add\n"]
+    if "error" in ab:
+        return parts + [f"Not measured: {ab['error']}"]
+    parts.append(
+        f"A gateway with token quotas alone and one with the pool priced and the tenant under "
+        f"a money budget, each started fresh and loaded in turn with plain requests (wrk, "
+        f"{ab['connections']} connections, {ab['run_s']:.0f} s), {len(ab['rounds'])} rounds.\n"
+    )
+    rows = [
+        {"round": i + 1, **r, "added": f"{100 * (r['money'] / r['tokens'] - 1):+.1f}%"}
+        for i, r in enumerate(ab["rounds"])
+    ]
+    parts.append(
+        markdown_table(
+            rows,
+            [
+                ("round", "round"),
+                ("tokens", "tokens only: CPU ms/req"),
+                ("money", "with money: CPU ms/req"),
+                ("added", "added"),
+            ],
+        )
+    )
+    verdict = "met" if ab["median_added"] <= ab["target_added"] else "not met"
+    parts.append(
+        f"\nMedian added: {100 * ab['median_added']:+.1f}% (target "
+        f"<= +{100 * ab['target_added']:.0f}%): {verdict}."
+    )
+    return parts

@@ -107,3 +107,20 @@ def test_money_overhead_is_the_priced_paths_cpu_per_request_over_token_quotas_al
     assert money["plain"]["64"] == pytest.approx(0.025)
     assert math.isnan(money["stream"]["64"])
     assert money_overhead({"switchyard": paths["switchyard"]}) == {}
+
+
+def test_the_money_ab_report_gives_each_round_and_the_median_verdict() -> None:
+    from benchmarks.gateway_report import money_ab_markdown
+
+    ab = {
+        "rounds": [{"tokens": 1.0, "money": 1.02}, {"tokens": 1.0, "money": 1.10}],
+        "connections": 16,
+        "run_s": 8.0,
+        "median_added": 0.10,
+        "target_added": 0.05,
+    }
+    text = "\n".join(money_ab_markdown(ab))
+    assert "+2.0%" in text and "+10.0%" in text
+    assert "Median added: +10.0% (target <= +5%): not met." in text
+    assert "Not measured: wrk" in "\n".join(money_ab_markdown({"error": "wrk is not installed"}))
+    assert money_ab_markdown(None) == []
