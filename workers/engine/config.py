@@ -56,6 +56,38 @@ class GrammarCacheConfig:
 
 
 DECODE_GRAPH_MODES = ("auto", "off", "eager")
+SPECULATIVE_METHODS = ("none", "ngram")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding without a draft model (`workers.engine.speculative`).
+
+    "ngram" (prompt lookup): a decoding request's last tokens are looked up in its prompt
+    and output so far, and the up to `num_tokens` tokens that followed their latest earlier
+    occurrence are verified in one forward pass with its next token; the longest prefix
+    the model agrees with is kept, plus the model's own next token. Greedy output and the
+    sampled distribution are those of plain decoding. "none": never.
+    """
+
+    method: str = "none"  # "ngram" | "none"
+    num_tokens: int = 4  # k: tokens proposed per step, at most (a request may ask fewer)
+    min_ngram: int = 1  # shortest suffix looked up
+    max_ngram: int = 3  # longest suffix looked up (the longest that matches wins)
+    # Whether a request that does not say (`SamplingParams.num_speculative_tokens` None)
+    # speculates; either way a request may ask for it on or off within `num_tokens`.
+    default_on: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                f"not {self.method!r}"
+            )
+        if self.num_tokens < 1:
+            raise ValueError("speculative.num_tokens must be at least 1")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError("speculative needs 1 <= min_ngram <= max_ngram")
 
 
 @dataclass
@@ -103,6 +135,7 @@ class EngineConfig:
     threads: int | None = None  # torch intra-op threads; None = CPUs we may run on, at most 8
     scheduler: SchedulerConfig | None = None
     grammar_cache: GrammarCacheConfig = field(default_factory=GrammarCacheConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     seed: int = 0  # for unseeded sampling
 
     def __post_init__(self) -> None:
@@ -115,3 +148,5 @@ class EngineConfig:
             self.scheduler = SchedulerConfig()
         if isinstance(self.grammar_cache, dict):  # a config passed on as a plain mapping
             self.grammar_cache = GrammarCacheConfig(**self.grammar_cache)
+        if isinstance(self.speculative, dict):
+            self.speculative = SpeculativeConfig(**self.speculative)
