@@ -38,8 +38,10 @@ class Workers:
     def __init__(self, model_dir, tmp) -> None:
         self.procs: dict[str, subprocess.Popen] = {}
         config = os.path.join(tmp, "worker.yaml")
-        with open(config, "w") as f:  # no start-up calibration: it is not under test here
-            f.write("engine:\n  calibrate: false\n  kv_cache_gib: 0.125\n")
+        # No start-up calibration (it is not under test here), and one thread each: three
+        # workers share the machine's cores with the gateway and the test.
+        with open(config, "w") as f:
+            f.write("engine:\n  calibrate: false\n  kv_cache_gib: 0.125\n  threads: 1\n")
         for i in range(3):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
@@ -80,7 +82,10 @@ def stack(real_model_dir):
                 admin_key=ADMIN,
                 default_pool="small",
                 load_poll_interval_s=0.05,
-                stream_idle_timeout_s=1.0,  # a stopped worker is given up on after 1 s
+                # A stopped worker is given up on after this long without a byte. At 1 s a
+                # worker merely slowed by a busy machine (other tests, a build) was given up
+                # on before its first token, and every attempt of a stream with it.
+                stream_idle_timeout_s=4.0,
                 door=False,
             )
             gw = build_gateway(cfg, redis_url)
