@@ -304,3 +304,31 @@ def test_a_stream_cut_short_is_charged_and_told_what_was_relayed(redis_url):
         assert usage["cost"] == pytest.approx(expected)
         assert eventually(lambda: sum(row["cost"] for row in _usage(s.url, key)["data"]) > 0)
         assert sum(row["cost"] for row in _usage(s.url, key)["data"]) == pytest.approx(expected)
+
+
+def test_auto_sends_a_tenant_at_its_spend_target_to_the_small_pool_without_refusing(redis_url):
+    """The spend target is not a limit: past it `auto` stops choosing the large pool (even
+    for a request asking threshold 0), and nothing is refused."""
+    large_cost = 4 * 10000 / 1e6 + MAX_TOKENS * 40000 / 1e6
+    with gateway_stack(
+        redis_url, prices=PRICES, cascade_small_pool="small", cascade_large_pool="large"
+    ) as s:
+        key = _tenant(
+            s.url, "saver", budget={"period": "day", "spend_target": round(1.5 * large_cost, 6)}
+        )
+        headers = {"authorization": f"Bearer {key}"}
+        body = {
+            "model": "auto",
+            "prompt": PROMPT,
+            "max_tokens": MAX_TOKENS,
+            "switchyard_threshold": 0.0,
+        }  # every score would go large
+        pools = []
+        for _ in range(4):
+            r = httpx.post(f"{s.url}/v1/completions", json=body, headers=headers, timeout=30)
+            assert r.status_code == 200, r.text
+            pools.append(r.headers["x-switchyard-model"])
+        # 1st: spend 0; 2nd: 0.67 of the target (under the 0.8 where saving starts);
+        # 3rd on: 1.33 and more: small.
+        assert pools == ["large", "large", "small", "small"]
+        assert float(r.headers["x-switchyard-threshold"]) >= 1.0  # above any score
