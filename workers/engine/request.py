@@ -58,6 +58,7 @@ class Request:
         "num_prefill_tokens",
         "prefill_s",
         "decode_s",
+        "spec_token_ids",
     )
 
     def __init__(
@@ -112,6 +113,10 @@ class Request:
         # the step's, times the step's wall time), prefill and decode apart (the engine).
         self.prefill_s = 0.0
         self.decode_s = 0.0
+        # Speculative decoding: the tokens proposed to follow its last token this step (the
+        # engine sets them before scheduling; the scheduler trims them to what it schedules).
+        # Never part of `all_token_ids` until verified and appended.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:
@@ -128,6 +133,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def num_draft_tokens(self, num_new: int) -> int:
+        """Of `num_new` tokens scheduled from `num_computed_tokens`, those past its last token:
+        a verify chunk's drafts (`spec_token_ids`); 0 for a decode or a prefill chunk."""
+        return max(0, self.num_computed_tokens + num_new - self.num_tokens)
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

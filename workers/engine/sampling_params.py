@@ -17,7 +17,9 @@ class SamplingParams:
     `logprobs` is None for none, or the number of top alternatives (0 = only the
     chosen token's log-probability). `logit_bias` maps token ids to what is added to
     their logits before any sampling (greedy included), in [-100, 100]; log-probabilities
-    stay those of the model's own distribution.
+    stay those of the model's own distribution. `num_speculative_tokens`: drafts the
+    engine may verify per step for this request (speculative decoding, within the pool's
+    `engine.speculative.num_tokens`); 0 = off, None = the pool's default.
     """
 
     max_tokens: int = 16
@@ -33,6 +35,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -64,6 +67,12 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(
                 f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "logprobs"
+            )
+        n = self.num_speculative_tokens
+        if n is not None and (not isinstance(n, int) or n < 0):
+            raise InvalidRequestError(
+                "num_speculative_tokens must be an integer >= 0 (0 = off)",
+                "num_speculative_tokens",
             )
         for token, bias in self.logit_bias.items():
             if not isinstance(token, int) or token < 0:

@@ -1,10 +1,11 @@
 """The continuous-batching scheduler. No torch: block ids and token counts only.
 
 One rule: every request has `num_computed_tokens`; each step packs running decodes
-first, then prefill chunks, under a token budget. The prefill chunks go tenant by tenant,
-to whichever tenant has been served the fewest tokens lately (`TenantService`); within a
-tenant, its running prefills first, then its new admissions. When KV blocks run out, the
-scheduler preempts by recompute.
+first (a decode with drafts to verify, speculative decoding, as one chunk of its next
+token and the drafts), then prefill chunks, under a token budget. The prefill chunks go
+tenant by tenant, to whichever tenant has been served the fewest tokens lately
+(`TenantService`); within a tenant, its running prefills first, then its new admissions.
+When KV blocks run out, the scheduler preempts by recompute.
 """
 
 from collections import deque
@@ -94,6 +95,16 @@ class _Step:
             cost = self.charged.pop(req.request_id)
             self.given[req.tenant] -= cost
             self.budget += cost
+
+
+def _fit_drafts(decodes: list[Request], budget: int) -> None:
+    """Trim the decodes' drafts, in order, to what the step's budget holds beside one token
+    for every decode (drafts never crowd a decode out of the step)."""
+    room = budget - len(decodes)
+    for req in decodes:
+        if req.spec_token_ids:
+            req.spec_token_ids = req.spec_token_ids[: max(0, room)]
+            room -= len(req.spec_token_ids)
 
 
 def _running_only(lanes: dict[str | None, deque[Request]]) -> dict[str | None, deque[Request]]:
@@ -213,6 +224,7 @@ class Scheduler:
         self._seats = self.seats()
         step = _Step(self._budget)
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        _fit_drafts(decodes, step.budget)
         for req in decodes:
             self._schedule_running(req, step, out)
         # Prefill chunks: one at a time to the tenant served least (lately, plus what it has
@@ -289,8 +301,10 @@ class Scheduler:
         cfg = self.config
         if req.status is not RequestStatus.RUNNING or step.budget <= 0:
             return
-        chunked = self._may_chunk(req)
         remaining = req.num_tokens - req.num_computed_tokens
+        if remaining == 1 and req.spec_token_ids and self._schedule_verify(req, step):
+            return
+        chunked = self._may_chunk(req)
         # Only prefill chunks pay for their context; a decode is one token of budget.
         context = req.num_computed_tokens if chunked and remaining > 1 else 0
         num_new = prefill_chunk(
@@ -313,6 +327,16 @@ class Scheduler:
             if victim is req:
                 return
         step.schedule(req, num_new, chunk_cost(num_new, context, cfg.attention_parity_context))
+
+    def _schedule_verify(self, req: Request, step: "_Step") -> bool:
+        """A decode with drafts: its next token and its drafts in one chunk, when their KV
+        fits without preempting anyone; else False, the drafts dropped (it decodes alone)."""
+        num_new = 1 + len(req.spec_token_ids)
+        if self.kv.allocate_slots(req, num_new) is None:
+            req.spec_token_ids = []
+            return False
+        step.schedule(req, num_new, num_new)
+        return True
 
     def _admit(self, req: Request, step: "_Step") -> bool:
         """Admit a waiting request with its first prefill chunk; False when it finds no seat,
@@ -364,6 +388,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         req.arrival_step = min(req.arrival_step, self.step_count)
@@ -372,10 +397,20 @@ class Scheduler:
         self.num_preemptions += 1
 
     def advance(self, out: SchedulerOutput) -> None:
-        """Record that the scheduled tokens were computed; cache blocks that became full."""
+        """Record that the scheduled tokens were computed; cache blocks that became full.
+
+        A verify chunk's drafts are not counted: their KV is written, but it becomes the
+        request's only as each draft is verified and appended (`accept_draft`), so the
+        prefix cache never registers a block holding an unverified token."""
         for req, num_new in out.scheduled:
-            req.num_computed_tokens += num_new
+            req.num_computed_tokens += num_new - req.num_draft_tokens(num_new)
             self.kv.cache_blocks(req, req.num_computed_tokens)
+
+    def accept_draft(self, req: Request) -> None:
+        """A draft of `req`'s verify step was verified and appended: the KV that step wrote
+        for it is the request's now (the next draft's, or its next token's, follows)."""
+        req.num_computed_tokens += 1
+        self.kv.cache_blocks(req, req.num_computed_tokens)
 
     def finish(
         self, req: Request, reason: FinishReason, stop_reason: str | int | None = None
