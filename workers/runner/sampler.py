@@ -36,13 +36,18 @@ class SamplingBatch:
     bitmask: torch.Tensor | None = None  # [len(guided_rows), words] int32: allowed tokens
 
 
-def make_sampling_batch(requests: list[Request], device: torch.device) -> SamplingBatch:
+def make_sampling_batch(
+    requests: list[Request], device: torch.device, offsets: list[int] | None = None
+) -> SamplingBatch:
+    """The rows' parameters. `offsets`: row i samples the request's output token number
+    `num_output_tokens + offsets[i]` (the positions of a verify chunk); None: all 0."""
     params = [r.params for r in requests]
     banned = []
     guided_rows = [row for row, r in enumerate(requests) if r.guide is not None]
     for row, r in enumerate(requests):
+        num_output = r.num_output_tokens + (offsets[row] if offsets else 0)
         # A grammar decides when EOS may come; min_tokens does not overrule it.
-        if r.num_output_tokens < r.params.min_tokens and r.guide is None:
+        if num_output < r.params.min_tokens and r.guide is None:
             ids = list(r.params.stop_token_ids)
             if not r.params.ignore_eos:
                 ids.extend(r.eos_token_ids)
@@ -136,19 +141,9 @@ def sample(
 
     Order: the bias first (as a logits processor before any other), then the grammar's
     and min_tokens' masks (a biased token still masked stays at -inf), then temperature."""
-    logits = apply_logit_bias(logits, batch)
-    if batch.bitmask is not None:
-        logits = apply_bitmask(logits, batch.guided_rows, batch.bitmask)
-    if batch.banned:
-        logits = logits.clone()
-        for row, ids in batch.banned:
-            logits[row, ids] = float("-inf")
-    greedy_tokens = argmax(logits)
-    if batch.all_greedy:
+    greedy_tokens, probs = target_distribution(logits, batch, argmax)
+    if probs is None:
         return greedy_tokens
-    temp = torch.where(batch.temperature > 0, batch.temperature, 1.0)
-    scaled = apply_top_k_top_p_min_p(logits / temp[:, None], batch)
-    probs = scaled.softmax(dim=-1)
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one row at a time
     # when the row has its own generator.
     noise = torch.empty_like(probs)
@@ -159,6 +154,41 @@ def sample(
         noise[i].exponential_(generator=batch.generators[i])
     sampled = argmax(probs / noise)
     return torch.where(batch.temperature > 0, sampled, greedy_tokens)
+
+
+def target_distribution(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    argmax: Callable[[torch.Tensor], torch.Tensor] = argmax_rows,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What each row samples from: its greedy token ([rows] int64) and, unless every row
+    is greedy, its distribution after bias, masks, temperature and the top-k, top-p and
+    min-p filters ([rows, vocab] fp32; a greedy row's is that of temperature 1)."""
+    logits = apply_logit_bias(logits, batch)
+    if batch.bitmask is not None:
+        logits = apply_bitmask(logits, batch.guided_rows, batch.bitmask)
+    if batch.banned:
+        logits = logits.clone()
+        for row, ids in batch.banned:
+            logits[row, ids] = float("-inf")
+    greedy_tokens = argmax(logits)
+    if batch.all_greedy:
+        return greedy_tokens, None
+    temp = torch.where(batch.temperature > 0, batch.temperature, 1.0)
+    scaled = apply_top_k_top_p_min_p(logits / temp[:, None], batch)
+    return greedy_tokens, scaled.softmax(dim=-1)
+
+
+def draw_row(
+    probs: torch.Tensor,
+    generator: torch.Generator | None,
+    argmax: Callable[[torch.Tensor], torch.Tensor] = argmax_rows,
+) -> int:
+    """One token from `probs` ([vocab] fp32) by the exponential race `sample` runs, drawing
+    one row of noise from `generator` (None: torch's global one), as `sample` does for it."""
+    noise = torch.empty_like(probs)
+    noise.exponential_(generator=generator)
+    return int(argmax((probs / noise)[None, :])[0])
 
 
 def skip_draws(
