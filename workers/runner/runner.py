@@ -3,7 +3,7 @@
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,6 +35,7 @@ from workers.runner.plan import (
     uses_native_kernels,
 )
 from workers.runner.sampler import compute_logprobs, make_sampling_batch, sample, skip_draws
+from workers.runner.verify import verify_drafts
 
 if TYPE_CHECKING:
     from workers.tp.shard import RankShard
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 class SampledToken:
     token_id: int
     logprobs: TokenLogprobs | None
+    # A verify chunk (speculative decoding): its drafts the target agreed with, emitted
+    # before `token_id` (the target's own token after them).
+    accepted: list[int] = field(default_factory=list)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -260,9 +264,12 @@ class ModelRunner:
     def execute(
         self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[int]]
     ) -> dict[str, SampledToken]:
-        """Compute the scheduled tokens; sample for requests whose last token was computed."""
+        """Compute the scheduled tokens; sample for requests whose last token was computed,
+        and verify the drafts of verify chunks (`accepted`)."""
         batch, num_ws = self._order(scheduled, block_tables)
-        input_ids, positions, slots, logit_rows, samplers = self._flatten(batch, block_tables)
+        input_ids, positions, slots, logit_rows, samplers, drafts = self._flatten(
+            batch, block_tables
+        )
         dev = self.device
         if self.graphs is not None and self.graphs.covers(num_ws, len(batch)):
             logits = self.graphs.run(input_ids, positions, slots)
@@ -286,10 +293,21 @@ class ModelRunner:
                     # Resumed from another replica's output: past the draws its tokens took
                     # (one row of noise per sampled token, as `sample` draws it).
                     skip_draws(req.generator, req.num_output_tokens, logits.shape[-1], dev)
+        out = {}
+        if drafts:  # verify chunks: their rows follow the samplers' (`_flatten`)
+            verifiers = samplers[len(samplers) - len(drafts) :]
+            samplers = samplers[: len(samplers) - len(drafts)]
+            verdicts = verify_drafts(
+                logits[len(samplers) :], verifiers, drafts, dev, self.model.ops.argmax_rows
+            )
+            for req, (kept, token) in zip(verifiers, verdicts, strict=True):
+                out[req.request_id] = SampledToken(token, None, kept)
+            if not samplers:
+                return out
+            logits = logits[: len(samplers)]
         sb = make_sampling_batch(samplers, dev)
         tokens = sample(logits, sb, self.model.ops.argmax_rows)
         token_list = tokens.tolist()
-        out = {}
         if sb.max_logprobs is not None:
             chosen, top_vals, top_ids = compute_logprobs(logits, tokens, sb.max_logprobs)
             chosen_l, vals_l, ids_l = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
@@ -331,16 +349,26 @@ class ModelRunner:
         slots: list[int] = []
         logit_rows: list[int] = []
         samplers: list[Request] = []
+        verify_rows: list[int] = []
+        verifiers: list[Request] = []
+        drafts: list[list[int]] = []
         for req, n in batch:
             start = req.num_computed_tokens
             table = block_tables[req.request_id]
             input_ids.extend(req.all_token_ids[start : start + n])
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if start + n == req.num_tokens:
+            num_drafts = start + n - req.num_tokens
+            if num_drafts > 0:  # a verify chunk: the last token, then drafts; logits at each
+                drafts.append(req.spec_token_ids[:num_drafts])
+                input_ids.extend(drafts[-1])
+                verify_rows.extend(range(len(input_ids) - n, len(input_ids)))
+                verifiers.append(req)
+            elif start + n == req.num_tokens:
                 logit_rows.append(len(input_ids) - 1)
                 samplers.append(req)
-        return input_ids, positions, slots, logit_rows, samplers
+        # Samplers' rows first, then each verify chunk's (`execute` splits them so).
+        return input_ids, positions, slots, logit_rows + verify_rows, samplers + verifiers, drafts
 
     def _metadata(
         self,
