@@ -56,6 +56,7 @@ class GrammarCacheConfig:
 
 
 DECODE_GRAPH_MODES = ("auto", "off", "eager")
+QUANTIZATIONS = ("none", "int8", "q4")
 KV_CACHE_DTYPES = ("auto", "int8")
 SPECULATIVE_METHODS = ("none", "ngram")
 
@@ -127,6 +128,12 @@ class EngineConfig:
     # Faster matmuls, same memory but for a packed copy of a tied
     # LM head. False = dense weights through F.linear.
     packed_weights: bool = True
+    # Linear weights quantized at load (`workers.runner.quant`): "none" (the checkpoint's
+    # dtype), "int8" (a scale per output row) or "q4" (GGUF Q4_1's blocks: a scale and a
+    # minimum per 32 input dims); the LM head is int8 in both, embeddings stay in `dtype`.
+    # Activations stay in `dtype`. On the CPU our kernel decodes them in its tile loop
+    # (`workers/runner/native/quant_linear.cpp`), elsewhere torch dequantizes per call.
+    quantization: str = "none"
     # On a GPU, a step whose requests are all workspace decodes replays a CUDA graph of its
     # (batch, context) bucket (`workers.runner.decode_graphs`), captured on first use and checked
     # against the eager step. "auto": on CUDA; "off": never; "eager": the same buckets,
@@ -153,6 +160,10 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                 f"not {self.kv_cache_dtype!r}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}"
             )
         if self.scheduler is None:
             self.scheduler = SchedulerConfig()
