@@ -156,7 +156,7 @@ def _kernel(name: str):
     return _build(name)
 
 
-KERNELS = ("decode_attention", "fused_ops", "linear", "prefill_attention")
+KERNELS = ("decode_attention", "fused_ops", "kv_int8", "linear", "prefill_attention")
 
 
 def build_all() -> bool:
@@ -192,6 +192,13 @@ def decode_attention() -> DecodeAttention | None:
     """The workspace decode-attention kernel (`decode_attention.cpp`), or None."""
     module = _kernel("decode_attention")
     return None if module is None else module.decode_attention
+
+
+def kv_int8():
+    """The int8 KV cache's kernels (`kv_int8.cpp`: write_kv, dequantize_blocks and the decode
+    attention over int8 rows and blocks), or None; AVX-512 or AVX2 where the CPU has them,
+    scalar loops elsewhere."""
+    return _kernel("kv_int8")
 
 
 def linear(dtype: str):
