@@ -12,6 +12,7 @@ import os
 import torch
 
 from workers.models.model_config import ModelConfig
+from workers.runner.kv_int8 import SCALE_DTYPE
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what workers.runner.native's kernels take
 AVX2_SDPA_PROMPTS_OVER = 1024  # whole prompts longer than this: SDPA on an AVX2 CPU
@@ -49,9 +50,15 @@ def plan_packing(packed_weights: bool, onednn: bool, native_linear: bool) -> boo
     return packed_weights and (onednn or native_linear)
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token takes in the cache, over all layers."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of K and V one token takes in the cache, over all layers: `dtype`'s size per
+    number ("auto"), or with an int8 cache one byte per number and a bf16 scale per head
+    (`workers.runner.kv_int8`)."""
+    if kv_cache_dtype == "int8":
+        per_head = cfg.head_dim + SCALE_DTYPE.itemsize
+    else:
+        per_head = cfg.head_dim * dtype.itemsize
+    return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
 
 
 def plan_num_kv_blocks(
