@@ -3,7 +3,8 @@
 KV cache layout per layer: `[num_kv_heads, num_blocks * block_size, head_dim]`, so a
 gather by block ids yields each head's keys contiguous in time, ready for a batched
 matmul. Grouped-query attention is computed by viewing the query heads of one KV head
-as a group, never by repeating K/V.
+as a group, never by repeating K/V. An int8 cache (`kv_int8.Int8KV`) is read through its
+own kernels or dequantized, wherever a float cache is read.
 """
 
 from collections.abc import Callable
@@ -13,6 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from workers.runner.decode_workspace import DecodeWorkspace
+from workers.runner.kv_int8 import Int8KV
+from workers.runner.kv_int8 import write_kv as write_int8
+
+KVCache = torch.Tensor | Int8KV  # one layer's K or V: [kv_heads, slots, dim]
 
 
 @dataclass
@@ -68,13 +73,19 @@ class AttentionMetadata:
 
 
 def write_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: KVCache,
+    v_cache: KVCache,
     k: torch.Tensor,
     v: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    """Store new keys/values ([tokens, kv_heads, dim]) into their cache slots."""
+    """Store new keys/values ([tokens, kv_heads, dim]) into their cache slots (an int8
+    cache also gives k and v back as it stores them: `kv_int8.write_kv`)."""
+    if isinstance(k_cache, Int8KV):
+        assert isinstance(v_cache, Int8KV)
+        write_int8(k_cache, v_cache, k, v, slots)
+        return
+    assert isinstance(v_cache, torch.Tensor)
     k_cache[:, slots] = k.transpose(0, 1)
     v_cache[:, slots] = v.transpose(0, 1)
 
@@ -84,8 +95,8 @@ def paged_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     layer: int,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: KVCache,
+    v_cache: KVCache,
     meta: AttentionMetadata,
     block_size: int,
     scale: float,
@@ -100,17 +111,26 @@ def paged_attention(
     group = num_heads // num_kv_heads
     out = q.new_empty(num_tokens, num_heads * head_dim)
     nw, ng = meta.num_workspace_decodes, meta.num_gather_decodes
+    # An int8 cache: a workspace row's new token is copied as the cache stores it.
+    int8 = isinstance(k_cache, Int8KV)
     if nw and meta.workspace_kernel is not None:
-        ws = meta.workspace
-        assert ws is not None and meta.workspace_lengths is not None
+        ws, lengths = meta.workspace, meta.workspace_lengths
+        assert ws is not None and lengths is not None
         rows = out[:nw].view(nw, num_heads, head_dim)
-        meta.workspace_kernel(
-            q[:nw], k[:nw], v[:nw], ws.k[layer], ws.v[layer], meta.workspace_lengths, scale, rows
-        )
+        kw, vw = ws.k[layer], ws.v[layer]
+        if int8:
+            slots = meta.slot_mapping[:nw]
+            meta.workspace_kernel(q[:nw], k_cache, v_cache, slots, kw, vw, lengths, scale, rows)
+        else:
+            meta.workspace_kernel(q[:nw], k[:nw], v[:nw], kw, vw, lengths, scale, rows)
     elif nw:
         ws, mask = meta.workspace, meta.workspace_mask
         assert ws is not None and mask is not None and meta.workspace_slots is not None
-        ws.append(layer, k[:nw], v[:nw], meta.workspace_slots)
+        if int8:
+            slots = meta.slot_mapping[:nw]
+            ws.append(layer, k_cache.rows(slots), v_cache.rows(slots), meta.workspace_slots)
+        else:
+            ws.append(layer, k[:nw], v[:nw], meta.workspace_slots)
         keys, values = ws.view(layer, nw, mask.shape[1])
         out[:nw] = _grouped_decode(q[:nw], keys, values, mask, scale, group)
     if ng and meta.paged_kernel is not None:
@@ -149,8 +169,8 @@ def _sdpa_prompt(seq: PrefillSeq, meta: AttentionMetadata) -> bool:
 
 def _decode_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: KVCache,
+    v_cache: KVCache,
     meta: AttentionMetadata,
     block_size: int,
     scale: float,
@@ -162,11 +182,10 @@ def _decode_attention(
     assert tables is not None and meta.decode_mask is not None
     # index_select over whole blocks (block_size * dim contiguous values) is several times
     # faster on CPU than advanced indexing. Result: [kv_heads, seqs, T, dim], contiguous.
-    shape = (num_kv_heads, -1, block_size * head_dim)
     flat = tables.flatten()
     out_shape = (num_kv_heads, num_seqs, -1, head_dim)
-    keys = torch.index_select(k_cache.view(shape), 1, flat).view(out_shape)
-    values = torch.index_select(v_cache.view(shape), 1, flat).view(out_shape)
+    keys = _blocks(k_cache, flat, block_size).view(out_shape)
+    values = _blocks(v_cache, flat, block_size).view(out_shape)
     return _grouped_decode(q, keys, values, meta.decode_mask, scale, group)
 
 
@@ -187,29 +206,37 @@ def _grouped_decode(
     return attn.transpose(0, 1).reshape(num_seqs, num_heads * head_dim)
 
 
+def _blocks(cache: KVCache, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Blocks `block_ids` of one layer's K or V, in order: [kv_heads, n * block_size, dim]
+    (an int8 cache's dequantized)."""
+    if isinstance(cache, Int8KV):
+        return cache.blocks(block_ids, block_size)
+    num_kv_heads, _, head_dim = cache.shape
+    shape = (num_kv_heads, -1, block_size * head_dim)
+    return torch.index_select(cache.view(shape), 1, block_ids).view(num_kv_heads, -1, head_dim)
+
+
 def _context_keys(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, seq: PrefillSeq, block_size: int
+    k_cache: KVCache, v_cache: KVCache, seq: PrefillSeq, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All keys and values of a chunk after cached context ([kv_heads, T, dim], T covering
     whole blocks): a view of the cache when its blocks are neighbours, else gathered whole
-    blocks at a time (far faster than per-slot indexing)."""
+    blocks at a time (far faster than per-slot indexing). An int8 cache's are dequantized
+    copies either way."""
     assert seq.block_ids is not None
-    num_kv_heads, _, head_dim = k_cache.shape
-    if seq.first_block is not None:
+    if seq.first_block is not None and not isinstance(k_cache, Int8KV):
+        assert isinstance(v_cache, torch.Tensor)
         start = seq.first_block * block_size
         span = slice(start, start + len(seq.block_ids) * block_size)
         return k_cache[:, span], v_cache[:, span]
-    shape = (num_kv_heads, -1, block_size * head_dim)
-    keys = torch.index_select(k_cache.view(shape), 1, seq.block_ids)
-    values = torch.index_select(v_cache.view(shape), 1, seq.block_ids)
-    return keys.view(num_kv_heads, -1, head_dim), values.view(num_kv_heads, -1, head_dim)
+    return _blocks(k_cache, seq.block_ids, block_size), _blocks(v_cache, seq.block_ids, block_size)
 
 
 def _chunk_keys(
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: KVCache,
+    v_cache: KVCache,
     seq: PrefillSeq,
     block_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,8 +253,8 @@ def _prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: KVCache,
+    v_cache: KVCache,
     seq: PrefillSeq,
     block_size: int,
     scale: float,

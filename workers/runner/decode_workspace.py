@@ -10,11 +10,27 @@ caching, preemption); a row is simply dropped and re-gathered whenever in doubt.
 The buffers are allocated once, at start-up, for `max_rows` rows of `max_tokens` tokens:
 growing them while serving would stall every stream for the copy. Sequences longer than
 `max_tokens` decode through the block gather instead.
+
+With an int8 KV cache the rows are int8 too, with their scales (`kv_int8.Int8KV`): copies
+of the cache's bytes, half the memory of bf16 rows, and read by the int8 decode kernel.
 """
+
+from typing import Any
 
 import torch
 
+from workers.runner.kv_int8 import Int8KV
 from workers.runner.memory import zeros
+
+Rows = torch.Tensor | Int8KV  # one layer's K or V rows: [kv_heads, rows, tokens, dim]
+
+
+def parts(x: torch.Tensor | Int8KV) -> tuple[torch.Tensor, ...]:
+    """The tensors of a float or int8 K/V store, each with a trailing dim per token
+    (an int8 store's scales as [..., 1]), for copies that treat them alike."""
+    if isinstance(x, Int8KV):
+        return x.data, x.scale.unsqueeze(-1)
+    return (x,)
 
 
 class DecodeWorkspace:
@@ -29,20 +45,30 @@ class DecodeWorkspace:
         max_tokens: int,
         dtype: torch.dtype,
         device: torch.device,
+        int8: bool = False,
+        int8_kernels: Any = None,
     ) -> None:
+        """`int8`: rows of an int8 KV cache (read as `dtype`; `int8_kernels` as the
+        cache's)."""
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.max_rows = max_rows
         self.max_tokens = max_tokens
         shape = (num_kv_heads, max_rows, max_tokens, head_dim)
-        self.k = [zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.v = [zeros(shape, dtype, device) for _ in range(num_layers)]
+
+        def store() -> Rows:
+            if int8:
+                return Int8KV.zeros(shape, dtype, device, int8_kernels)
+            return zeros(shape, dtype, device)
+
+        self.k = [store() for _ in range(num_layers)]
+        self.v = [store() for _ in range(num_layers)]
         self.device = device
         self.rows: dict[str, int] = {}  # request id -> row
         self.lengths: list[int] = []  # valid tokens per row
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.nbytes for t in self.k + self.v)
 
     def fits(self, num_context: int) -> bool:
         """Whether a decode with this many cached tokens can use a row."""
@@ -53,7 +79,7 @@ class DecodeWorkspace:
         request_ids: list[str],
         num_context: list[int],
         block_tables: list[list[int]],
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[Rows, Rows]],
         block_size: int,
     ) -> list[int]:
         """Give each request a row holding its `num_context` cached tokens.
@@ -77,11 +103,13 @@ class DecodeWorkspace:
         rows = torch.arange(positions.shape[0], device=positions.device)
         return rows * self.max_tokens + positions
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write the rows' new K/V ([rows, kv_heads, dim], in row order) at `slots`."""
-        h, d = self.num_kv_heads, self.head_dim
-        self.k[layer].view(h, -1, d).index_copy_(1, slots, k.transpose(0, 1))
-        self.v[layer].view(h, -1, d).index_copy_(1, slots, v.transpose(0, 1))
+    def append(self, layer: int, k: Rows, v: Rows, slots: torch.Tensor) -> None:
+        """Write the rows' new K/V ([rows, kv_heads, dim], in row order; int8 rows for an
+        int8 workspace) at `slots`."""
+        h = self.num_kv_heads
+        for store, new in ((self.k[layer], k), (self.v[layer], v)):
+            for dst, src in zip(parts(store), parts(new), strict=True):
+                dst.view(h, -1, dst.shape[-1]).index_copy_(1, slots, src.transpose(0, 1))
 
     def commit(self, request_ids_in_row_order: list[str]) -> None:
         """After the forward pass: each row gained its step's token."""
@@ -89,7 +117,16 @@ class DecodeWorkspace:
             self.lengths[self.rows[rid]] += 1
 
     def view(self, layer: int, num_rows: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer][:, :num_rows, :num_tokens], self.v[layer][:, :num_rows, :num_tokens]
+        """Rows 0..num_rows-1, their first num_tokens (an int8 workspace's dequantized)."""
+        k, v = self.k[layer], self.v[layer]
+        if isinstance(k, Int8KV) and isinstance(v, Int8KV):
+            at = (slice(None), slice(num_rows), slice(num_tokens))
+            return (
+                Int8KV(k.data[at], k.scale[at], k.out_dtype).dequantize(),
+                Int8KV(v.data[at], v.scale[at], v.out_dtype).dequantize(),
+            )
+        assert isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+        return k[:, :num_rows, :num_tokens], v[:, :num_rows, :num_tokens]
 
     def _release(self, rid: str) -> None:
         """Drop a row; the last row moves into the hole so rows stay 0..n-1."""
@@ -98,8 +135,9 @@ class DecodeWorkspace:
         if row != last:
             moved = next(r for r, i in self.rows.items() if i == last)
             n = self.lengths[last]
-            for t in self.k + self.v:
-                t[:, row, :n] = t[:, last, :n]
+            for store in self.k + self.v:
+                for t in parts(store):
+                    t[:, row, :n] = t[:, last, :n]
             self.rows[moved] = row
             self.lengths[row] = n
         self.lengths.pop()
@@ -115,14 +153,14 @@ class DecodeWorkspace:
         first = len(self.lengths)
         rows = slice(first, first + len(new))
         span = min(width * block_size, self.max_tokens)
-        hd = self.head_dim
+        h = self.num_kv_heads
         for layer, (k_cache, v_cache) in enumerate(kv_caches if span else ()):
-            for dst, src in ((self.k[layer], k_cache), (self.v[layer], v_cache)):
-                blocks = src.view(self.num_kv_heads, -1, block_size * hd)
-                gathered = torch.index_select(blocks, 1, flat).view(
-                    self.num_kv_heads, len(new), -1, hd
-                )
-                dst[:, rows, :span] = gathered[:, :, :span]
+            for store, cache in ((self.k[layer], k_cache), (self.v[layer], v_cache)):
+                for dst, src in zip(parts(store), parts(cache), strict=True):
+                    d = src.shape[-1]
+                    blocks = src.view(h, -1, block_size * d)
+                    gathered = torch.index_select(blocks, 1, flat).view(h, len(new), -1, d)
+                    dst[:, rows, :span] = gathered[:, :, :span]
         for j, i in enumerate(new):
             self.rows[request_ids[i]] = first + j
             self.lengths.append(num_context[i])

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from workers.models.model_config import ModelConfig
 from workers.runner.attention import write_kv
+from workers.runner.kv_int8 import Int8KV
 from workers.runner.sampler import argmax_rows
 
 
@@ -166,6 +167,9 @@ class NativeOps(TorchOps):
         return self.fused.silu_mul(gate_up)
 
     def write_kv(self, k_cache, v_cache, k, v, slots) -> None:
+        if isinstance(k_cache, Int8KV):  # an int8 cache writes through its own kernels
+            write_kv(k_cache, v_cache, k, v, slots)
+            return
         self.fused.write_kv(k_cache, v_cache, k, v, slots)
 
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
