@@ -156,7 +156,14 @@ def _kernel(name: str):
     return _build(name)
 
 
-KERNELS = ("decode_attention", "fused_ops", "kv_int8", "linear", "prefill_attention")
+KERNELS = (
+    "decode_attention",
+    "fused_ops",
+    "kv_int8",
+    "linear",
+    "prefill_attention",
+    "quant_linear",
+)
 
 
 def build_all() -> bool:
@@ -209,3 +216,11 @@ def linear(dtype: str):
     if module is None or not module.supports(dtype):
         return None
     return module
+
+
+def quant_linear():
+    """The linear layers on quantized weights (`quant_linear.cpp`: int8 per row and q4 per
+    group of 32, packed into tiles and decoded in the tile loop), or None: switched off or
+    no build. Its `path(dtype)` is "" on a CPU with neither AVX-512 nor AVX2 with FMA and
+    F16C, where the weights are dequantized by torch instead (`workers.runner.quant`)."""
+    return _kernel("quant_linear")
