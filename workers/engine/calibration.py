@@ -113,7 +113,10 @@ def calibrate(engine: LLMEngine, seed: int = 0) -> Calibration:
 def _run_round(
     engine: LLMEngine, rng: random.Random, vocab: int, num_seqs: int, prompt_tokens: int, tag: str
 ) -> int:
-    params = SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0, ignore_eos=True)
+    # One token a step: the step model learns plain decode steps (no speculation).
+    params = SamplingParams(
+        max_tokens=DECODE_STEPS, temperature=0.0, ignore_eos=True, num_speculative_tokens=0
+    )
     for j in range(num_seqs):
         ids = [rng.randrange(vocab) for _ in range(prompt_tokens)]
         request = engine.make_request(

@@ -17,12 +17,13 @@ from workers.engine.outputs import Completion, RequestOutput, TokenLogprobs
 from workers.engine.request import FinishReason, Request, RequestStatus
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
+from workers.engine.speculative import num_speculative_tokens, propose_ngram
 from workers.engine.stats import EngineStats
 from workers.engine.step_model import StepModel
 from workers.engine.structured import GrammarCompiler, GrammarSpec, Guide
 from workers.engine.tokenizer import CheckpointTokenizer
 from workers.errors import ContextLengthError, EngineStepError, InvalidRequestError
-from workers.runner.runner import ModelRunner
+from workers.runner.runner import ModelRunner, SampledToken
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,11 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
         self.num_failed_requests = 0
         self._num_failed_steps = 0  # in a row, every request failing
+        # Speculative decoding: drafts verified, and of those the ones the target agreed with.
+        self.num_spec_proposed_tokens = 0
+        self.num_spec_accepted_tokens = 0
+        # Proposals need every rank to run a verify chunk alike; a shard group does not yet.
+        self.speculative = config.speculative if runner.shard is None else None
         # Wall seconds of the steps that ran a batch, from scheduling to the sampled tokens
         # (the output bookkeeping after is not in it): what the requests' `prefill_s` and
         # `decode_s` shares divide, so they sum to it.
@@ -281,6 +287,8 @@ class LLMEngine:
             self.num_failed_requests,
             self._num_failed_steps,
             self.step_time_s,
+            self.num_spec_proposed_tokens,
+            self.num_spec_accepted_tokens,
             replace(self.kv.stats),
         )
         try:
@@ -292,6 +300,8 @@ class LLMEngine:
                 self.num_failed_requests,
                 self._num_failed_steps,
                 self.step_time_s,
+                self.num_spec_proposed_tokens,
+                self.num_spec_accepted_tokens,
                 self.kv.stats,
             ) = saved
 
@@ -329,6 +339,7 @@ class LLMEngine:
         sched = self.scheduler
         started = time.perf_counter()
         self._release_forks()
+        self._propose()
         out = sched.schedule()
         outputs = [self._output(req, [], None) for req in out.expired]
         if not out.scheduled:
@@ -360,28 +371,67 @@ class LLMEngine:
         self._count_failed_step(len(failed), len(out.scheduled), failed)
         outputs += [self._fail(req, exc, "step") for req, exc in failed]
         out.scheduled = [(req, n) for req, n in out.scheduled if not req.is_finished]
+        num_drafts = sum(req.num_draft_tokens(n) for req, n in out.scheduled)
         sched.advance(out)
-        self.num_prompt_tokens_computed += sum(n for _, n in out.scheduled) - len(sampled)
+        self.num_prompt_tokens_computed += (
+            sum(n for _, n in out.scheduled) - num_drafts - len(sampled)
+        )
         now = self.clock()
         for req, _ in out.scheduled:
             token = sampled.get(req.request_id)
+            drafts, req.spec_token_ids = req.spec_token_ids, []
             if token is None:
                 continue
+            self.num_spec_proposed_tokens += len(drafts)
+            self.num_spec_accepted_tokens += len(token.accepted)
             try:
-                req.append_token(token.token_id)
-                if req.guide is not None and not req.guide.accept(token.token_id):
-                    why = req.guide.error or f"token {token.token_id} breaks it"
-                    raise RuntimeError(f"the request's grammar failed: {why}")
-                self.num_generated_tokens += 1
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                self._check_stop(req, token.token_id)
-                lps = [token.logprobs] if token.logprobs is not None else None
-                outputs.append(self._output(req, [token.token_id], lps))
+                self._append(req, token, now, outputs)
             except Exception as exc:  # stop checks, detokenization: this request only
                 outputs.append(self._fail(req, exc, "detokenize"))
         self.step_model.observe(num_seqs, num_tokens, context, time.perf_counter() - started)
         return outputs
+
+    def _append(
+        self, req: Request, token: SampledToken, now: float, outputs: list[RequestOutput]
+    ) -> None:
+        """Append a step's tokens (a verify step's kept drafts, then its next token) until
+        one finishes the request, with an output for each: one token an output, as without
+        speculation (a stream's chunk is a token; the gateway counts them so). A kept
+        draft's KV, computed in the verify step, becomes the request's as it is appended
+        (`Scheduler.accept_draft`)."""
+        token_ids = [*token.accepted, token.token_id]
+        for i, token_id in enumerate(token_ids):
+            req.append_token(token_id)
+            if req.guide is not None and not req.guide.accept(token_id):
+                why = req.guide.error or f"token {token_id} breaks it"
+                raise RuntimeError(f"the request's grammar failed: {why}")
+            self.num_generated_tokens += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self._check_stop(req, token_id)
+            last = req.is_finished or i == len(token_ids) - 1
+            lps = [token.logprobs] if last and token.logprobs is not None else None
+            outputs.append(self._output(req, [token_id], lps))
+            if last:
+                return
+            self.scheduler.accept_draft(req)
+
+    def _propose(self) -> None:
+        """Speculative decoding: drafts for each running decode that may have them (n-gram
+        prompt lookup over its prompt and output so far); the scheduler trims them to its
+        budget and KV, the runner verifies them (`workers.engine.speculative`)."""
+        spec = self.speculative
+        if spec is None or spec.method == "none":
+            return
+        for req in self.scheduler.running:
+            req.spec_token_ids = []
+            if req.num_tokens - req.num_computed_tokens != 1:
+                continue  # a prefill chunk
+            k = num_speculative_tokens(req, spec, self.max_model_len)
+            if k:
+                req.spec_token_ids = propose_ngram(
+                    req.all_token_ids, k, spec.min_ngram, spec.max_ngram
+                )
 
     def stats(self, now: float) -> EngineStats:
         """A snapshot for other threads, taken at `now`; only the engine's thread calls it."""
@@ -404,6 +454,8 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions,
             num_failed_requests=self.num_failed_requests,
             num_generated_tokens=self.num_generated_tokens,
+            num_spec_proposed_tokens=self.num_spec_proposed_tokens,
+            num_spec_accepted_tokens=self.num_spec_accepted_tokens,
             seats=seats,
             itl_target_s=sched.config.itl_target_s,
             step_fit=self.step_model.fit,

@@ -43,6 +43,10 @@ class EngineStats:
     num_preemptions: int  # requests preempted (recomputed) for lack of KV blocks
     num_failed_requests: int  # requests the engine failed alone
     num_generated_tokens: int  # output tokens sampled
+    # Speculative decoding: draft tokens verified, and of those the ones the model agreed
+    # with (kept; one cut short by a stop is counted all the same).
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
     # The capacity model (`workers.engine.step_model`): seats the ITL target allows now,
     # the fitted step cost (None until learned), recent mean step seconds, and the work
     # behind the seats: output tokens each running request may still generate (max_tokens
