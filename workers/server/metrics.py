@@ -77,6 +77,16 @@ class EngineCollector(Collector):
             "Requests preempted (recomputed) for lack of KV blocks.",
             stats.num_preemptions,
         )
+        yield counter(
+            "spec_proposed_tokens",
+            "Speculative decoding: draft tokens verified (n-gram proposals).",
+            stats.num_spec_proposed_tokens,
+        )
+        yield counter(
+            "spec_accepted_tokens",
+            "Speculative decoding: of the draft tokens verified, those the model agreed with.",
+            stats.num_spec_accepted_tokens,
+        )
 
 
 class GrammarCacheCollector(Collector):

@@ -97,6 +97,14 @@ def test_metrics_report_the_published_snapshot():
     assert value("switchyard_worker_request_errors_total", labels) == 1
 
 
+def test_metrics_count_speculative_drafts_proposed_and_accepted():
+    stats = make_stats(num_spec_proposed_tokens=40, num_spec_accepted_tokens=27)
+    _, registry = make_service(stats)
+    labels = {"model_name": "small"}
+    assert registry.get_sample_value("switchyard_worker_spec_proposed_tokens_total", labels) == 40
+    assert registry.get_sample_value("switchyard_worker_spec_accepted_tokens_total", labels) == 27
+
+
 def test_admission_walks_the_published_line():
     # One seat left: the first waiting request takes it, the second counts against the line.
     service, _ = make_service(make_stats(), max_waiting_requests=1)
