@@ -208,6 +208,8 @@ def upstream_body(
         "ignore_eos": False,
         "switchyard_threshold": None,
     }
+    if kind != "switchyard":  # a speed hint our engine takes; another server may refuse it
+        changes["num_speculative_tokens"] = None
     if isinstance(req, GatewayChatRequest):
         changes["max_completion_tokens"] = None
         if with_logprobs:

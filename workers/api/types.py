@@ -96,6 +96,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Token id -> bias added to its logit before sampling, in [-100, 100] (OpenAI's JSON
     # keys are strings of digits; msgspec decodes them as ints).
     logit_bias: dict[int, float] | None = None
+    # Speculative decoding (n-gram prompt lookup, where the pool's engine has it): draft
+    # tokens verified per step for this request, at most the pool's bound; 0 = off, None =
+    # the pool's default. Changes speed only, never the output.
+    num_speculative_tokens: int | None = None
     # Resuming a stream another replica began and lost (the gateway's, never a client's:
     # gateway/serving/resume.py): the output tokens it relayed, and how many characters of
     # their text the client has; the stream then carries on from there (no role chunk, no

@@ -175,6 +175,8 @@ def _check_sampling(req: Any, limits: RequestLimits, vocab: int | None, max_toke
         )
     if req.min_tokens < 0:
         _bad("min_tokens", "min_tokens must be at least 0")
+    if req.num_speculative_tokens is not None and req.num_speculative_tokens < 0:
+        _bad("num_speculative_tokens", "num_speculative_tokens must be at least 0 (0 = off)")
     if max_tokens is not None and req.min_tokens > max_tokens:
         _bad("min_tokens", f"min_tokens ({req.min_tokens}) is above max_tokens ({max_tokens})")
     _check_stops(req, limits, vocab)

@@ -58,6 +58,7 @@ def sampling_params(
         min_tokens=req.min_tokens,
         logprobs=logprobs,
         logit_bias=dict(req.logit_bias or {}),
+        num_speculative_tokens=req.num_speculative_tokens,
     )
 
 

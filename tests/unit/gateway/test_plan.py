@@ -96,6 +96,13 @@ def test_upstream_body_overrides_the_operators_fields_and_drops_gateway_ones():
     assert sent["max_tokens"] == 20 and sent["model"] == "small"
 
 
+def test_upstream_body_passes_the_speculation_hint_to_our_workers_only():
+    req = completion(num_speculative_tokens=2)
+    assert msgspec.json.decode(upstream_body(req, plan(), "s"))["num_speculative_tokens"] == 2
+    sent = msgspec.json.decode(upstream_body(req, plan(), "s", kind="vllm"))
+    assert "num_speculative_tokens" not in sent
+
+
 def test_upstream_body_of_a_stream_always_asks_for_usage():
     req = completion(stream=True)
     sent = msgspec.json.decode(upstream_body(req, plan(stream=True), "s"))

@@ -82,7 +82,7 @@ def test_every_field_the_project_implements_still_decodes():
         "presence_penalty": 0.0, "frequency_penalty": 0.0, "user": "u", "priority": 1,
         "cache_salt": "s", "ignore_eos": True, "min_tokens": 1, "top_k": 5, "min_p": 0.1,
         "stop_token_ids": [7], "response_format": {"type": "json_object"},
-        "logit_bias": {"5": 1.5, "9": -100},
+        "logit_bias": {"5": 1.5, "9": -100}, "num_speculative_tokens": 2,
     }  # fmt: skip
     chat = {
         **CHAT, **common, "max_completion_tokens": 8, "logprobs": True, "top_logprobs": 2,

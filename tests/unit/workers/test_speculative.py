@@ -249,3 +249,15 @@ def test_a_preempted_request_loses_its_drafts() -> None:
     req.spec_token_ids = [4, 5]
     sched._preempt(req)
     assert req.spec_token_ids == [] and req.num_computed_tokens == 0
+
+
+def test_the_worker_api_field_reaches_the_sampling_params() -> None:
+    from workers.api.types import CompletionRequest
+    from workers.server.openai_format import sampling_params
+
+    req = CompletionRequest(model="m", prompt="hi", num_speculative_tokens=2)
+    assert sampling_params(req, 16).num_speculative_tokens == 2
+    assert (
+        sampling_params(CompletionRequest(model="m", prompt="hi"), 16).num_speculative_tokens
+        is None
+    )

@@ -58,6 +58,7 @@ BAD_COMPLETIONS = [
     ({"max_tokens": -5}, "max_tokens"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 9}, "min_tokens"),  # above max_tokens=8
+    ({"num_speculative_tokens": -1}, "num_speculative_tokens"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": ""}, "stop"),
     ({"stop": ["x" * 257]}, "stop"),
@@ -131,6 +132,8 @@ GOOD_COMPLETIONS = [
     {"temperature": 2.0},
     {"presence_penalty": -2.0},
     {"min_tokens": 8},
+    {"num_speculative_tokens": 0},
+    {"num_speculative_tokens": 64},
     {"stop": ["a", "b", "c", "d"]},
     {"stop": "x" * 256},
     {"stop_token_ids": [0, VOCAB - 1]},
