@@ -265,7 +265,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     be.add_argument(
         "--scenarios",
         default="throughput,decode,prefix,chunked",
-        help="comma list of throughput,decode,levers,prefix,chunked,structured",
+        help="comma list of throughput,decode,levers,prefix,chunked,structured,speculative "
+        "(speculative: n-gram speculation at c=1 on the real default model unless --model)",
     )
     be.add_argument(
         "--model", default=None, help="a local checkpoint dir (default: a random ~32M Llama)"
