@@ -12,6 +12,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks.engine_levers import levers_section
+from benchmarks.engine_spec import speculative_section, speculative_spec
 from benchmarks.engine_structured import structured_checkpoint, structured_section
 from benchmarks.stats import LATENCY_COLUMNS, markdown_table, write_report
 
@@ -48,7 +49,9 @@ class BenchOptions:
 
 def _dtype_summary(opts: BenchOptions) -> str:
     """Which scenarios ran in which dtype, naming only those that ran."""
-    per_dtype = [s for s in ("throughput", "decode", "levers") if s in opts.scenarios]
+    per_dtype = [
+        s for s in ("throughput", "decode", "levers", "speculative") if s in opts.scenarios
+    ]
     in_fp32 = [s for s in ("prefix", "chunked", "structured") if s in opts.scenarios]
     said = []
     if per_dtype:
@@ -130,6 +133,10 @@ def run_engine_bench(opts: BenchOptions) -> dict:
                 "prefill_tokens": 256 if opts.quick else 2048,
             }
             jobs.append((f"decode/{dtype}", decode_spec))
+        if "speculative" in opts.scenarios:
+            jobs.append(
+                (f"speculative/{dtype}", speculative_spec(opts.model_dir, dtype, opts.quick))
+            )
         if "levers" in opts.scenarios:
             levers_spec = {
                 **steps,
@@ -384,6 +391,8 @@ def summarize(results: dict[str, dict], opts: BenchOptions) -> dict:
             parts += _decode_section(ok[f"decode/{dtype}"], dtype)
         if f"levers/{dtype}" in ok:
             parts += levers_section(ok[f"levers/{dtype}"])
+        if f"speculative/{dtype}" in ok:
+            parts += speculative_section(ok[f"speculative/{dtype}"], dtype)
     if "prefix" in ok:
         parts += _prefix_section(ok["prefix"], data)
     if "chunked" in ok:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from benchmarks.engine_levers import run_levers
+from benchmarks.engine_spec import run_speculative
 from benchmarks.engine_structured import run_structured
 from benchmarks.roofline import (
     Machine,
@@ -520,6 +521,7 @@ SYSTEMS = {
     "prefix": run_prefix,
     "chunked": run_chunked,
     "structured": run_structured,
+    "speculative": run_speculative,
 }
 
 
