@@ -1,6 +1,7 @@
 """The linear layers and their weights: packed once at load into oneDNN's blocked layout
 or our native kernel's tiles (`pack_weights`), and the linear functions the forward pass
-calls on them (`packed_linear`, `dense_linear`, `gated_mlp_up`).
+calls on them (`packed_linear`, `dense_linear`, `gated_mlp_up`), which also take
+quantized weights (`workers.runner.quant.QuantizedWeight`).
 """
 
 import functools
@@ -12,7 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from workers.runner import native
+from workers.runner.memory import HugeArena
 from workers.runner.ops import TorchOps
+from workers.runner.quant import QuantizedWeight, quantized_linear, quantized_mlp_up
 
 if TYPE_CHECKING:  # model.py imports this module for its linear functions
     from workers.runner.model import ModelWeights
@@ -80,16 +83,44 @@ def pack_weights(
     """
 
     def pack(w: torch.Tensor) -> torch.Tensor:
+        if isinstance(w, QuantizedWeight):  # already in the quantized kernel's tiles
+            return w
         if kernel is not None and w.shape[0] % 64 == 0 and w.shape[1] % 2 == 0:
             return kernel.pack(w)
         return torch.ops.mkldnn._reorder_linear_weight(w) if onednn else w
 
     def pack_gate_up(w: torch.Tensor) -> torch.Tensor:
+        if isinstance(w, QuantizedWeight):
+            return w
         if kernel is not None and w.shape[0] % 128 == 0 and w.shape[1] % 2 == 0:
             return kernel.pack_gated(w)
         return pack(w)
 
     return map_linears(weights, pack, pack_gate_up)
+
+
+def on_huge_pages(weights: "ModelWeights") -> "ModelWeights":
+    """The linear weights our kernels stream every step (all but oneDNN's, and a quantized
+    weight's every tensor) copied into one `HugeArena` (`workers.runner.memory`)."""
+
+    def tensors(w) -> list[torch.Tensor]:
+        if isinstance(w, QuantizedWeight):
+            return [t for t in (w.data, w.scales, w.mins) if t is not None]
+        return [] if w.is_mkldnn else [w]
+
+    arena = HugeArena([t for w in weights.linears() for t in tensors(w)])
+
+    def copy(w):
+        if isinstance(w, QuantizedWeight):
+            return replace(
+                w,
+                data=arena.copy(w.data),
+                scales=None if w.scales is None else arena.copy(w.scales),
+                mins=None if w.mins is None else arena.copy(w.mins),
+            )
+        return w if w.is_mkldnn else arena.copy(w)
+
+    return map_linears(weights, copy)
 
 
 class NativeLinear(Protocol):
@@ -117,7 +148,9 @@ def _native_linear(dtype: torch.dtype) -> NativeLinear:
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T + b for a weight from `pack_weights`: oneDNN's layout, our tiles, or dense
-    (where neither takes it)."""
+    (where neither takes it); or quantized."""
+    if isinstance(w, QuantizedWeight):
+        return quantized_linear(x, w, bias)
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     if w.dim() == 2:
@@ -129,11 +162,17 @@ def gated_mlp_up(
     x: torch.Tensor, gate_up: torch.Tensor, linear: Linear, ops: TorchOps
 ) -> torch.Tensor:
     """silu(x W_gate^T) * (x W_up^T): in one pass of our kernel for a gate_up in its tile
-    pairs (`pack_weights`; 5-D), else the linear and then `ops.silu_mul`."""
+    pairs (`pack_weights`; 5-D, or quantized tile pairs), else the linear and then
+    `ops.silu_mul`."""
+    if isinstance(gate_up, QuantizedWeight):
+        fused = quantized_mlp_up(x, gate_up)
+        return ops.silu_mul(linear(x, gate_up, None)) if fused is None else fused
     if gate_up.dim() == 5:
         return _native_linear(gate_up.dtype).linear_silu(x, gate_up)
     return ops.silu_mul(linear(x, gate_up, None))
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if isinstance(w, QuantizedWeight):
+        return quantized_linear(x, w, bias)
     return F.linear(x, w, bias)

@@ -98,13 +98,12 @@ def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     n, k = w.shape
     pad = -k % Q4_GROUP
     wf = F.pad(w.float(), (0, pad)).view(n, -1, Q4_GROUP)
-    lo, hi = wf.amin(dim=-1), wf.amax(dim=-1)
-    d = ((hi - lo) / 15).to(torch.float16)
+    lo, hi = torch.aminmax(wf, dim=-1)
+    d = hi.sub_(lo).div_(15).to(torch.float16)
     m = lo.to(torch.float16)
-    df = d.float()[..., None]
-    safe = torch.where(df > 0, df, torch.ones_like(df))
-    q = torch.round((wf - m.float()[..., None]) / safe).clamp_(0, 15)
-    q = torch.where(df > 0, q, torch.zeros_like(q))
+    df = d.float()
+    inv = torch.where(df > 0, 1 / df, torch.zeros_like(df))  # a constant group: all q 0
+    q = wf.sub_(m.float()[..., None]).mul_(inv[..., None]).round_().clamp_(0, 15)
     return q.to(torch.uint8).view(n, -1), d, m
 
 
@@ -175,20 +174,35 @@ def to_tiles(qw: QuantizedWeight, kernel: QuantKernel, gated: bool = False) -> Q
     return replace(qw, data=tiles, scales=None, mins=None, tiled=True, gated=gated)
 
 
+def quantize_tiles(
+    w: torch.Tensor, kind: str, kernel: QuantKernel, gated: bool = False
+) -> QuantizedWeight:
+    """`quantize` then `to_tiles`, without the plain layout in between where the tiles
+    take the shape."""
+    qw = QuantizedWeight(kind, (w.shape[0], w.shape[1]), w[:0], None)  # the shape alone
+    if not fits_tiles(qw, gated):
+        return quantize(w, kind)
+    if kind == "int8":
+        q, scales = quantize_int8(w)
+        pack = kernel.pack_int8_gated if gated else kernel.pack_int8
+        return replace(qw, data=pack(q), scales=scales, tiled=True, gated=gated)
+    q4, d, m = quantize_q4(w)
+    pack4 = kernel.pack_q4_gated if gated else kernel.pack_q4
+    return replace(qw, data=pack4(q4, d, m), tiled=True, gated=gated)
+
+
 def quantize_weights(
     weights: "ModelWeights", kind: str, kernel: QuantKernel | None
 ) -> "ModelWeights":
     """Every linear matrix quantized to `kind` (the LM head to int8), in `kernel`'s tiles
     where it runs and takes the shape; an MLP's gate_up in tile pairs for the fused
-    SiLU pass. Embeddings, norms and biases as they are."""
+    SiLU pass where its halves fit them. Embeddings, norms and biases as they are."""
 
     def one(w: torch.Tensor, gated: bool = False, as_kind: str = kind) -> QuantizedWeight:
-        qw = quantize(w, as_kind)
         if kernel is None:
-            return qw
-        if gated and fits_tiles(qw, gated=True):
-            return to_tiles(qw, kernel, gated=True)
-        return to_tiles(qw, kernel)
+            return quantize(w, as_kind)
+        qw = quantize_tiles(w, as_kind, kernel, gated)
+        return quantize_tiles(w, as_kind, kernel) if gated and not qw.tiled else qw
 
     layers = [
         replace(
