@@ -217,6 +217,13 @@ def quantize_weights(
     return replace(weights, layers=layers, lm_head=one(weights.lm_head, as_kind="int8"))
 
 
+def quant_kernel(dtype: str) -> QuantKernel | None:
+    """Our kernel for activations of `dtype` ("float32" / "bfloat16"), or None: native
+    kernels off, no build, or a CPU it has no path for (`path` is "")."""
+    module = native.quant_linear()
+    return module if module is not None and module.path(dtype) else None
+
+
 @functools.cache
 def _kernel() -> QuantKernel:
     module = native.quant_linear()
