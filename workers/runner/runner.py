@@ -18,9 +18,9 @@ from workers.runner.attention import AttentionMetadata, PrefillSeq
 from workers.runner.decode_graphs import DecodeGraphs
 from workers.runner.decode_workspace import DecodeWorkspace
 from workers.runner.loader import load_weights, parse_dtype, resolve_dtype
-from workers.runner.memory import HugeArena, zeros
+from workers.runner.memory import zeros
 from workers.runner.model import CausalLM, ModelWeights
-from workers.runner.packing import can_pack, map_linears, pack_weights
+from workers.runner.packing import can_pack, on_huge_pages, pack_weights
 from workers.runner.plan import (
     kv_bytes_per_token,
     kv_sink_slots,
@@ -34,6 +34,7 @@ from workers.runner.plan import (
     plan_workspace_rows,
     uses_native_kernels,
 )
+from workers.runner.quant import quant_kernel, quantize_weights, weight_bytes
 from workers.runner.sampler import compute_logprobs, make_sampling_batch, sample, skip_draws
 from workers.runner.verify import verify_drafts
 
@@ -124,11 +125,15 @@ class ModelRunner:
         if config.packed_weights and native_cpu:
             self.linear_kernel = native.linear(str(self.dtype).removeprefix("torch."))
         self.packed = plan_packing(config.packed_weights, onednn, self.linear_kernel is not None)
+        self.quant_kernel = None  # the quantized linear layers' kernel, when it runs
+        if config.quantization != "none":  # before packing, which leaves them as they are
+            self.quant_kernel = quant_kernel(config.dtype) if native_cpu else None
+            weights = quantize_weights(weights, config.quantization, self.quant_kernel)
         if self.packed:
             weights = pack_weights(weights, self.linear_kernel, onednn)
-        if self.linear_kernel is not None:  # our tiles, streamed every step: huge pages
-            arena = HugeArena([w for w in weights.linears() if not w.is_mkldnn])
-            weights = map_linears(weights, lambda w: w if w.is_mkldnn else arena.copy(w))
+        if self.linear_kernel is not None or self.quant_kernel is not None:
+            weights = on_huge_pages(weights)  # our tiles, streamed every step
+        self.weight_bytes = weight_bytes(weights)  # of the linear layers, as held
         return CausalLM(cfg, weights, self.max_model_len, self.shard, fused, self.packed)
 
     def _plan_kv_blocks(self, cfg: ModelConfig) -> int:
@@ -235,7 +240,10 @@ class ModelRunner:
             cfg.architecture,
             self.num_parameters / 1e6,
             self.config.dtype,
-            _packing(self.packed, self.linear_kernel is not None),
+            _packing(self.packed, self.linear_kernel is not None)
+            + _quantized(
+                self.config.quantization, self.quant_kernel, self.weight_bytes, self.config.dtype
+            ),
             self.device,
             self.num_threads,
             load_s,
@@ -428,6 +436,13 @@ def _packing(packed: bool, native: bool) -> str:
     if not packed:
         return ""
     return ", weights packed for our linear kernel" if native else ", weights packed for oneDNN"
+
+
+def _quantized(quantization: str, kernel, nbytes: int, dtype: str) -> str:
+    if quantization == "none":
+        return ""
+    where = f"our kernel ({kernel.path(dtype)})" if kernel is not None else "torch"
+    return f", {quantization} linear weights in {where}, {nbytes / 2**20:.1f} MiB"
 
 
 def _length_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
