@@ -13,7 +13,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.outputs import TokenLogprobs
 from workers.engine.request import Request
 from workers.models.model_config import ModelConfig, load_model_config
-from workers.runner import native
+from workers.runner import kv_int8, native
 from workers.runner.attention import AttentionMetadata, PrefillSeq
 from workers.runner.decode_graphs import DecodeGraphs
 from workers.runner.decode_workspace import DecodeWorkspace
@@ -91,6 +91,10 @@ class ModelRunner:
         self.num_parameters = weights.num_parameters()
         self.model = self._build_model(cfg, weights, native_cpu)
         self.block_size = config.block_size
+        self.kv_int8 = config.kv_cache_dtype == "int8"
+        self.kv_bytes_per_token = kv_bytes_per_token(cfg, self.dtype, config.kv_cache_dtype)
+        # int8 KV (`kv_int8`): its native kernels where ours run, else None (torch)
+        self.kv_int8_kernels = native.kv_int8() if native_cpu and self.kv_int8 else None
         self.num_kv_blocks = self._plan_kv_blocks(cfg)
         self.kv_capacity_tokens = self.num_kv_blocks * self.block_size
         graph_mode = plan_graph_mode(
@@ -149,7 +153,7 @@ class ModelRunner:
             num_blocks = plan_num_kv_blocks(
                 available_memory_bytes(self.device),
                 config.kv_memory_fraction,
-                kv_bytes_per_token(cfg, self.dtype),
+                self.kv_bytes_per_token,
                 self.block_size,
                 config.scheduler.max_num_seqs * self.max_model_len,
                 None if config.kv_cache_gib is None else int(config.kv_cache_gib * 2**30),
@@ -165,6 +169,9 @@ class ModelRunner:
         where decode graphs run, a sink block past them (`plan.kv_sink_slots`)."""
         num_slots = self.kv_capacity_tokens + kv_sink_slots(graph_mode, self.block_size)
         shape = (cfg.num_kv_heads, num_slots, cfg.head_dim)
+        if self.kv_int8:
+            kernels = self.kv_int8_kernels
+            return kv_int8.allocate(cfg.num_layers, shape, self.dtype, self.device, kernels)
         return [
             (zeros(shape, self.dtype, self.device), zeros(shape, self.dtype, self.device))
             for _ in range(cfg.num_layers)
@@ -181,7 +188,7 @@ class ModelRunner:
         row_tokens = min(config.decode_workspace_tokens, self.max_model_len)
         rows = plan_workspace_rows(
             int(config.decode_workspace_gib * 2**30),
-            kv_bytes_per_token(cfg, self.dtype),
+            self.kv_bytes_per_token,
             row_tokens,
             config.scheduler.max_num_seqs,
         )
@@ -193,6 +200,8 @@ class ModelRunner:
             row_tokens,
             self.dtype,
             self.device,
+            self.kv_int8,
+            self.kv_int8_kernels,
         )
 
     def _make_graphs(self, graph_mode: str) -> DecodeGraphs | None:
@@ -225,6 +234,12 @@ class ModelRunner:
         self.prefill_kernel = native.prefill_attention(self.config.dtype, cfg.head_dim)
         if self.prefill_kernel is not None:
             self.sdpa_prompts_over = plan_sdpa_prompts_over(torch.backends.cpu.get_cpu_capability())
+        int8 = self.kv_int8_kernels  # an int8 cache's decodes: its own kernels (or torch)
+        if self.kv_int8:
+            self.paged_kernel = None if int8 is None else kv_int8.paged_kernel(int8)
+            if self.workspace is not None and int8 is not None:
+                self.decode_kernel = kv_int8.workspace_kernel(int8)
+            return
         self.paged_kernel = native.paged_decode_attention()
         if self.workspace is not None:
             self.decode_kernel = native.decode_attention()
@@ -235,7 +250,7 @@ class ModelRunner:
         num_slots = self.kv_capacity_tokens
         log.info(
             "loaded %s (%s, %.1fM parameters, %s%s on %s, %d threads) in %.1fs; KV cache holds "
-            "%d tokens (%d blocks of %d, %.2f GiB)",
+            "%d tokens (%d blocks of %d, %.2f GiB, %s)",
             model_dir,
             cfg.architecture,
             self.num_parameters / 1e6,
@@ -250,7 +265,8 @@ class ModelRunner:
             num_slots,
             self.num_kv_blocks,
             self.block_size,
-            num_slots * kv_bytes_per_token(cfg, self.dtype) / 2**30,
+            num_slots * self.kv_bytes_per_token / 2**30,
+            "int8 and a bf16 scale per row" if self.kv_int8 else self.config.dtype,
         )
         if self.graphs is not None:
             log.info(
