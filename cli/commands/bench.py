@@ -22,6 +22,12 @@ def _cmd_engine(args: argparse.Namespace) -> int:
             )
         )
         return 0
+    scenarios = args.scenarios.split(",")
+    if "kv-int8" in scenarios:  # its own report, on the real model (benchmarks/engine_kv.py)
+        scenarios.remove("kv-int8")
+        status = _kv_int8_bench(args)
+        if status != 0 or not scenarios:
+            return status
     from benchmarks.engine_bench import BenchOptions, run_engine_bench
 
     opts = BenchOptions(
@@ -29,11 +35,32 @@ def _cmd_engine(args: argparse.Namespace) -> int:
         num_requests=args.num_requests,
         hf_sample=args.hf_sample,
         quick=args.quick,
-        scenarios=args.scenarios.split(","),
+        scenarios=scenarios,
         model_dir=Path(args.model) if args.model else None,
         dtypes=args.dtypes.split(","),
     )
     run_engine_bench(opts)
+    return 0
+
+
+def _kv_int8_bench(args: argparse.Namespace) -> int:
+    """int8 KV beside bf16 KV on --model, else the default model (fetched once)."""
+    from benchmarks.engine_kv import KVBenchOptions, run_kv_bench
+
+    if args.model:
+        model_dir = Path(args.model)
+    else:
+        from cli.commands.models import cache_dir
+        from workers.errors import ModelFetchError
+        from workers.models.fetch import fetch_model
+        from workers.models.registry import default_model
+
+        try:
+            model_dir = fetch_model(default_model(), cache_dir(None)).path
+        except ModelFetchError as exc:
+            print(f"error: the default model: {exc}", file=sys.stderr)
+            return 2
+    run_kv_bench(KVBenchOptions(out_dir=Path(args.out), model_dir=model_dir, quick=args.quick))
     return 0
 
 
@@ -265,8 +292,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     be.add_argument(
         "--scenarios",
         default="throughput,decode,prefix,chunked",
-        help="comma list of throughput,decode,levers,prefix,chunked,structured,speculative "
-        "(speculative: n-gram speculation at c=1 on the real default model unless --model)",
+        help="comma list of throughput,decode,levers,prefix,chunked,structured,speculative,"
+        "kv-int8 (speculative: n-gram speculation at c=1 on the real default model unless "
+        "--model; kv-int8: int8 KV beside bf16 KV on the same, its own engine-kv-int8 report)",
     )
     be.add_argument(
         "--model", default=None, help="a local checkpoint dir (default: a random ~32M Llama)"
