@@ -83,6 +83,29 @@ def cpu_key(cpuinfo: str) -> str:
     return hashlib.sha256(f"{model}\n{flags}".encode()).hexdigest()[:8]
 
 
+def cpu_flags(cpuinfo: str) -> set[str]:
+    """The first CPU's flags in /proc/cpuinfo text."""
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+def host_has_amx() -> bool:
+    """Whether this CPU lists AMX tiles. ggml built natively for one runs a tile
+    instruction (`tilezero`) before it asks the kernel for AMX state and dies with SIGILL
+    (seen on Sapphire Rapids VMs), so such a build leaves AMX out (`NO_AMX_FLAGS`)."""
+    try:
+        return "amx_tile" in cpu_flags(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return False
+
+
+# Explicit -mno-* flags win over -march=native's whatever their order on GCC's line.
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
 def host_cpu_key() -> str:
     try:
         return cpu_key(Path("/proc/cpuinfo").read_text())
@@ -92,13 +115,19 @@ def host_cpu_key() -> str:
         return cpu_key(f"model name: {platform.processor() or platform.machine()}")
 
 
-def build_dir_name(version: str, cpukey: str) -> str:
-    return f"{version}-{cpukey}"
+def build_dir_name(version: str, cpukey: str, no_amx: bool = False) -> str:
+    return f"{version}-{cpukey}" + ("-noamx" if no_amx else "")
 
 
-def configure_command(source_dir: Path, build_dir: Path) -> list[str]:
-    """The cmake configure line: CPU only, native instructions, and nothing that downloads
-    (no curl, no prebuilt web UI from the Hugging Face bucket, no npm)."""
+def configure_command(source_dir: Path, build_dir: Path, no_amx: bool = False) -> list[str]:
+    """The cmake configure line: CPU only, native instructions (less AMX with `no_amx`),
+    and nothing that downloads (no curl, no prebuilt web UI from the Hugging Face bucket,
+    no npm)."""
+    amx = [f"-DCMAKE_C_FLAGS={NO_AMX_FLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_FLAGS}"]
+    return [*_configure(source_dir, build_dir), *(amx if no_amx else [])]
+
+
+def _configure(source_dir: Path, build_dir: Path) -> list[str]:
     return [
         "cmake",
         "-S",
@@ -214,7 +243,7 @@ def built_llama_server(cache_dir: Path | None = None) -> Path | None:
     """The cached `llama-server` built for this CPU; None when it is not built (nothing is
     built here: `ensure_llama_server` does that)."""
     out_dir = (cache_dir or default_cache_root()) / build_dir_name(
-        LLAMA_CPP_PYTHON_VERSION, host_cpu_key()
+        LLAMA_CPP_PYTHON_VERSION, host_cpu_key(), host_has_amx()
     )
     binary = out_dir / "build" / "bin" / "llama-server"
     if (out_dir / ".built").exists() and os.access(binary, os.X_OK):
@@ -235,7 +264,8 @@ def ensure_llama_server(
     cached = built_llama_server(root)
     if cached is not None:
         return cached
-    out_dir = root / build_dir_name(LLAMA_CPP_PYTHON_VERSION, host_cpu_key())
+    no_amx = host_has_amx()
+    out_dir = root / build_dir_name(LLAMA_CPP_PYTHON_VERSION, host_cpu_key(), no_amx)
     binary = out_dir / "build" / "bin" / "llama-server"
     stamp = out_dir / ".built"
     for tool in ("cmake", "c++"):
@@ -247,7 +277,8 @@ def ensure_llama_server(
     log_path.write_text("")
     t0 = time.monotonic()
     progress(f"llama-server: configuring (log {log_path})")
-    _run_logged(configure_command(source, out_dir / "build"), log_path, "configure", progress, t0)
+    configure = configure_command(source, out_dir / "build", no_amx)
+    _run_logged(configure, log_path, "configure", progress, t0)
     progress(f"llama-server: building llama-server (configured in {time.monotonic() - t0:.0f} s)")
     build = build_command(out_dir / "build", jobs or os.cpu_count() or 1)
     _run_logged(build, log_path, "build", progress, t0)

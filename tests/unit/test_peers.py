@@ -248,6 +248,21 @@ def test_configure_command_builds_native_and_downloads_nothing() -> None:
     ):
         assert flag in cmd
     assert ls.build_command(Path("/build"), 2)[-4:] == ["--target", "llama-server", "-j", "2"]
+    assert not any("amx" in part for part in cmd)
+
+
+def test_a_cpu_with_amx_builds_without_it_in_a_directory_of_its_own() -> None:
+    """ggml built natively on an AMX CPU ran `tilezero` before asking the kernel for AMX
+    state and died with SIGILL; such a build passes -mno-amx-*, which GCC honours whatever
+    -march=native says, and is cached apart from a build that had AMX."""
+    cmd = ls.configure_command(Path("/src"), Path("/build"), no_amx=True)
+    assert "-DGGML_NATIVE=ON" in cmd
+    assert f"-DCMAKE_C_FLAGS={ls.NO_AMX_FLAGS}" in cmd
+    assert f"-DCMAKE_CXX_FLAGS={ls.NO_AMX_FLAGS}" in cmd
+    assert ls.NO_AMX_FLAGS.split() == ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
+    assert ls.build_dir_name("0.3.36", "abcd1234", True) == "0.3.36-abcd1234-noamx"
+    assert ls.cpu_flags(CPUINFO.replace(" avx512f", " avx512f amx_tile")) >= {"amx_tile"}
+    assert "amx_tile" not in ls.cpu_flags(CPUINFO)
 
 
 def test_model_content_key_changes_when_a_file_is_rewritten(tmp_path: Path) -> None:
@@ -271,7 +286,8 @@ def test_convert_to_gguf_rejects_an_unknown_outtype(tmp_path: Path) -> None:
 def test_ensure_llama_server_returns_a_finished_build_without_running_anything(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    out = tmp_path / ls.build_dir_name(ls.LLAMA_CPP_PYTHON_VERSION, ls.host_cpu_key())
+    name = ls.build_dir_name(ls.LLAMA_CPP_PYTHON_VERSION, ls.host_cpu_key(), ls.host_has_amx())
+    out = tmp_path / name
     binary = out / "build" / "bin" / "llama-server"
     binary.parent.mkdir(parents=True)
     binary.write_text("#!/bin/sh\n")
