@@ -59,6 +59,11 @@ inline uint16_t bf16_bits(float x) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// Items per thread of a parallel loop whose items each touch `width` numbers: work under
+// 32k numbers stays on the calling thread (a decode step's write), where waking a second
+// thread, or waiting for one another process took its core from, costs more than it saves.
+int64_t grain(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1)); }
+
 inline float load(const float* p) { return *p; }
 inline float load(const at::BFloat16* p) {
   return bf16_float(*reinterpret_cast<const uint16_t*>(p));
@@ -124,7 +129,7 @@ void write_kv(const at::Tensor& k_data, const at::Tensor& k_scale, const at::Ten
     T* kp = k.data_ptr<T>();
     T* vp = v.data_ptr<T>();
     const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
-    at::parallel_for(0, n * H, std::max<int64_t>(1, 2048 / D), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, n * H, grain(2 * D), [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t i = task / H, h = task % H, at = h * num_slots + sp[i];
         quantize_row(kp + i * ks0 + h * ks1, D, kd + at * D, ks + at);
@@ -167,7 +172,7 @@ void dequantize_blocks(const at::Tensor& data, const at::Tensor& scale,
   const auto run = [&](auto zero) {
     using T = decltype(zero);
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, H * nb, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, H * nb, grain(block_size * D), [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t h = task / nb, i = task % nb;
         const int64_t src = h * num_slots + bp[i] * block_size;
