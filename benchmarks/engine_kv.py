@@ -69,7 +69,10 @@ def run_kv_bench(opts: KVBenchOptions) -> dict:
     results: dict[str, list[dict]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory() as tmp:
         for mode, r in tqdm(jobs, desc="bench engine kv-int8", unit="run"):
-            spec = {**base, "kv_cache_dtype": mode, "fit_run": base["fit_run"] and r == 0}
+            # Capacity and perplexity do not change from round to round: the first measures them.
+            first = r == 0
+            spec = {**base, "kv_cache_dtype": mode, "fit_run": base["fit_run"] and first}
+            spec["perplexity"] = first
             results[mode].append(_run_child(spec, Path(tmp), f"{mode}-{r}"))
     data = {
         "options": {
@@ -147,7 +150,8 @@ def run_one(spec: dict) -> dict:
         out[f"c{c}"] = timing_summary(t0, times, time.perf_counter() - t0)
     if spec["fit_run"]:
         out["fit"] = _fit(engine, out["batch_at_4096"], prompt)
-    out["perplexity"] = _perplexity(engine, spec.get("held_tokens"))
+    if spec["perplexity"]:
+        out["perplexity"] = _perplexity(engine, spec.get("held_tokens"))
     return out
 
 
