@@ -74,7 +74,10 @@ class SpeculativeConfig:
 
     method: str = "none"  # "ngram" | "none"
     num_tokens: int = 4  # k: tokens proposed per step, at most (a request may ask fewer)
-    min_ngram: int = 1  # shortest suffix looked up
+    # Shortest suffix looked up: a single token recurs too often in free text to predict
+    # what follows (SmolLM2-135M, greedy, free chat: 39% of drafts kept at 1, 63% at 2;
+    # copy-heavy prompts 3.9 tokens a step at 2, 4.0 at 1).
+    min_ngram: int = 2
     max_ngram: int = 3  # longest suffix looked up (the longest that matches wins)
     # Whether a request that does not say (`SamplingParams.num_speculative_tokens` None)
     # speculates; either way a request may ask for it on or off within `num_tokens`.
