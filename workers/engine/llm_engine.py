@@ -17,7 +17,7 @@ from workers.engine.outputs import Completion, RequestOutput, TokenLogprobs
 from workers.engine.request import FinishReason, Request, RequestStatus
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
-from workers.engine.speculative import num_speculative_tokens, propose_ngram
+from workers.engine.speculative import num_speculative_tokens, propose_ngram, token_bytes
 from workers.engine.stats import EngineStats
 from workers.engine.step_model import StepModel
 from workers.engine.structured import GrammarCompiler, GrammarSpec, Guide
@@ -429,8 +429,9 @@ class LLMEngine:
                 continue  # a prefill chunk
             k = num_speculative_tokens(req, spec, self.max_model_len)
             if k:
+                req.spec_haystack = token_bytes(req.all_token_ids, req.spec_haystack)
                 req.spec_token_ids = propose_ngram(
-                    req.all_token_ids, k, spec.min_ngram, spec.max_ngram
+                    req.all_token_ids, k, spec.min_ngram, spec.max_ngram, req.spec_haystack
                 )
 
     def stats(self, now: float) -> EngineStats:

@@ -59,6 +59,7 @@ class Request:
         "prefill_s",
         "decode_s",
         "spec_token_ids",
+        "spec_haystack",
     )
 
     def __init__(
@@ -117,6 +118,9 @@ class Request:
         # engine sets them before scheduling; the scheduler trims them to what it schedules).
         # Never part of `all_token_ids` until verified and appended.
         self.spec_token_ids: list[int] = []
+        # `all_token_ids` as the proposer searches them (`speculative.token_bytes`), kept
+        # and extended by the new tokens each step; None until it first proposes.
+        self.spec_haystack: bytearray | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -26,13 +26,31 @@ from collections.abc import Callable, Sequence
 from workers.engine.config import SpeculativeConfig
 from workers.engine.request import Request
 
+TOKEN_BYTES = 4  # a token id in a haystack: a 32-bit int, native byte order
+
+
+def token_bytes(tokens: Sequence[int], known: bytearray | None = None) -> bytearray:
+    """`tokens` as a haystack for `propose_ngram`: `known` (the haystack of a prefix of
+    them, extended in place) brought up to all of them, or a new one."""
+    if known is None or len(known) > len(tokens) * TOKEN_BYTES:
+        known = bytearray()
+    have = len(known) // TOKEN_BYTES
+    if have < len(tokens):
+        known += array("i", tokens[have:]).tobytes()
+    return known
+
 
 def propose_ngram(
-    tokens: Sequence[int], num_tokens: int, min_ngram: int, max_ngram: int
+    tokens: Sequence[int],
+    num_tokens: int,
+    min_ngram: int,
+    max_ngram: int,
+    haystack: bytes | bytearray | None = None,
 ) -> list[int]:
     """Up to `num_tokens` tokens that followed the latest earlier occurrence of the longest
     suffix of `tokens` (between `min_ngram` and `max_ngram` long) found earlier in it;
-    [] when no suffix recurs.
+    [] when no suffix recurs. `haystack`: `token_bytes(tokens)`, when the caller keeps it
+    (converting a long context each step costs more than the search).
 
     The copy may run into the suffix itself (text repeating with a period shorter than
     `num_tokens`): the proposal then goes on repeating that period, as an overlapping copy
@@ -41,8 +59,9 @@ def propose_ngram(
     total = len(tokens)
     if num_tokens < 1 or total < 2:
         return []
-    haystack = array("i", tokens).tobytes()
-    size = 4  # bytes per token id in the haystack
+    if haystack is None:
+        haystack = token_bytes(tokens)
+    size = TOKEN_BYTES
     for n in range(min(max_ngram, total - 1), min_ngram - 1, -1):
         needle = haystack[(total - n) * size :]
         # An occurrence ending before the last token, so that at least one token follows it.

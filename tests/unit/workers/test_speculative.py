@@ -10,7 +10,12 @@ from tests.unit.workers.scheduler_factories import REPO_ROOT, make_request, make
 from workers.engine.config import SpeculativeConfig
 from workers.engine.request import Request
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.speculative import accept_drafts, num_speculative_tokens, propose_ngram
+from workers.engine.speculative import (
+    accept_drafts,
+    num_speculative_tokens,
+    propose_ngram,
+    token_bytes,
+)
 from workers.errors import InvalidRequestError
 
 NGRAM = SpeculativeConfig(method="ngram", num_tokens=4, min_ngram=1, max_ngram=3)
@@ -91,6 +96,19 @@ def test_proposals_agree_with_a_naive_search() -> None:
         k, lo = rng.randint(1, 5), rng.randint(1, 3)
         hi = rng.randint(lo, 4)
         assert propose_ngram(tokens, k, lo, hi) == naive(tokens, k, lo, hi), tokens
+
+
+def test_a_kept_haystack_extended_step_by_step_proposes_as_a_fresh_one() -> None:
+    import random
+
+    rng = random.Random(1)
+    tokens: list[int] = []
+    kept = None
+    for _ in range(300):
+        tokens.append(rng.randrange(5))
+        kept = token_bytes(tokens, kept)
+        assert kept == token_bytes(tokens)
+        assert propose_ngram(tokens, 3, 1, 3, kept) == propose_ngram(tokens, 3, 1, 3)
 
 
 # -- who speculates, how far -----------------------------------------------------------
