@@ -12,9 +12,9 @@ q4, and the linear layer over them.
 On a CPU our kernel (`workers/runner/native/quant_linear.cpp`) takes the weights in its
 tiles and decodes them in its tile loop; the weights stay quantized in memory. Where it
 does not run (another CPU, a GPU, `native_kernels` off) or a matrix's shape does not fit
-its tiles (rows not a multiple of 64; int8 with an odd input dim; q4 with input dims not
-a multiple of 32), the weight is kept quantized in a plain layout and each call
-dequantizes it with torch (`QuantizedWeight.dequantize`): correct, not fast.
+its tiles (rows not a multiple of 64; q4 with input dims not a multiple of 32), the
+weight is kept quantized in a plain layout and each call dequantizes it with torch
+(`QuantizedWeight.dequantize`): correct, not fast.
 
 The embedding table stays in the model's dtype (a lookup reads a few rows a step); the LM
 head is int8 in both modes, as llama.cpp keeps its output matrix at 6-8 bits in a Q4 GGUF:
@@ -157,7 +157,7 @@ def fits_tiles(qw: QuantizedWeight, gated: bool = False) -> bool:
     rows = 128 if gated else 64
     if qw.data.device.type != "cpu" or n % rows:
         return False
-    return k % 2 == 0 if qw.kind == "int8" else k % Q4_GROUP == 0
+    return qw.kind == "int8" or k % Q4_GROUP == 0
 
 
 def to_tiles(qw: QuantizedWeight, kernel: QuantKernel, gated: bool = False) -> QuantizedWeight:
