@@ -332,3 +332,19 @@ def test_each_output_carries_one_token_as_without_speculation(demo_dir):
         texts[speculate] = ("".join(o.new_text for o in outs), len(outs), engine)
     assert texts[True][:2] == texts[False][:2]
     assert texts[True][2].num_spec_accepted_tokens > 0
+
+
+def test_a_resumed_seeded_stream_continues_as_it_would_have(llama_dir):
+    # One row of noise per emitted token, speculating or not: a resume's skip_draws is exact.
+    prompt = copy_heavy_prompts(1, seed=14)[0]
+    params = SamplingParams(max_tokens=30, temperature=0.2, seed=5, ignore_eos=True)
+    whole = make_engine(llama_dir, False).generate([prompt], params)[0].token_ids
+    engine = make_engine(llama_dir, True)
+    for cut in (3, 11):
+        req = engine.add_request(
+            prompt_token_ids=prompt, params=params, resume_token_ids=whole[:cut]
+        )
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert req.output_token_ids == whole
+    assert engine.num_spec_accepted_tokens > 0
