@@ -101,6 +101,8 @@ def run_engine_bench(opts: BenchOptions) -> dict:
     if opts.model_dir is not None:
         ckpt = opts.model_dir
         vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    elif set(opts.scenarios) <= {"speculative"}:  # it fetches its own: the real model
+        ckpt, vocab = Path(), BENCH_MODEL["vocab_size"]
     else:
         ckpt = make_bench_checkpoint(opts.out_dir / "bench-model")
         vocab = BENCH_MODEL["vocab_size"]
@@ -370,13 +372,21 @@ def _chunked_section(ch: dict) -> list[str]:
     ]
 
 
+def _model_label(opts: BenchOptions) -> str:
+    if opts.model_dir:
+        return str(opts.model_dir)
+    if set(opts.scenarios) <= {"speculative"}:
+        return "the default real model"
+    return "random bench model (~32M)"
+
+
 def summarize(results: dict[str, dict], opts: BenchOptions) -> dict:
     data: dict = {
         "options": {
             "num_requests": opts.num_requests,
             "hf_sample": opts.hf_sample,
             "quick": opts.quick,
-            "model": str(opts.model_dir) if opts.model_dir else "random bench model (~32M)",
+            "model": _model_label(opts),
             "dtypes": opts.dtypes,
         },
         "results": results,

@@ -225,7 +225,7 @@ def speculative_spec(model_dir: Path | None, dtype: str, quick: bool) -> dict[st
         "dtype": dtype,
         "num_tokens": 4,
         "loads": workloads(quick),
-        "rounds": 1 if quick else 2,
+        "rounds": 1,
         "max_tokens": 32 if quick else 256,
     }
 
