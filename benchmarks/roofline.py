@@ -67,12 +67,15 @@ def step_cost(
     decode_contexts: list[int],
     prefills: list[tuple[int, int]],
     num_sampled: int,
+    weight_bytes: float | None = None,
 ) -> StepCost:
     """Bytes and FLOPs of one step.
 
     `decode_contexts`: per decoding sequence, its cached tokens before the step;
     `prefills`: per prefill chunk, (cached tokens before it, tokens in the chunk);
-    `num_sampled`: rows that go through the LM head (logits in fp32).
+    `num_sampled`: rows that go through the LM head (logits in fp32); `weight_bytes`: the
+    bytes of the weights as held, where they are not parameters x `itemsize` (quantized
+    linear layers: `ModelRunner.weight_bytes` plus the norms).
     """
     num_tokens = len(decode_contexts) + sum(n for _, n in prefills)
     if num_tokens == 0:
@@ -80,6 +83,8 @@ def step_cost(
     d, q = m.hidden, m.num_heads * m.head_dim
     kv = m.num_kv_heads * m.head_dim
     weights = (m.num_layers * m.layer_params + m.vocab * d + d) * itemsize
+    if weight_bytes is not None:
+        weights = weight_bytes
     # Keys each query sees, summed over queries: a decode sees its context + itself; a
     # chunk of n after c cached tokens sees c + 1 .. c + n.
     key_reads = sum(c + 1 for c in decode_contexts) + sum(c + n for c, n in prefills)

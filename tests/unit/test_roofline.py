@@ -31,6 +31,16 @@ def test_weights_are_read_once_per_step_whatever_the_batch():
     assert many.flops > 60 * one.flops  # FLOPs grow with the batch, weight bytes do not
 
 
+def test_quantized_weights_count_the_bytes_they_hold():
+    """A decode step's weights are what the runner holds (int8: about a quarter of fp32's
+    bytes), not parameters x itemsize: the roofline of a quantized engine counts them."""
+    full = step_cost(SHAPE, 4, [10], [], 1)
+    weights = (8 * SHAPE.layer_params + 8192 * 512 + 512) * 4
+    quarter = step_cost(SHAPE, 4, [10], [], 1, weight_bytes=weights / 4)
+    assert full.bytes - quarter.bytes == weights * 3 / 4
+    assert quarter.flops == full.flops
+
+
 def test_decode_reads_its_whole_context_and_bf16_halves_the_bytes():
     short = step_cost(SHAPE, 4, [10], [], 1)
     long = step_cost(SHAPE, 4, [1010], [], 1)
