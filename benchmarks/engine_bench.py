@@ -18,6 +18,9 @@ from benchmarks.stats import LATENCY_COLUMNS, markdown_table, write_report
 
 log = logging.getLogger(__name__)
 
+# Scenarios that run the real default model unless --model (`benchmarks.engine_spec`).
+SPECULATIVE = {"speculative", "speculative-workspace"}
+
 BENCH_MODEL = dict(
     vocab_size=8192,
     hidden_size=512,
@@ -50,7 +53,7 @@ class BenchOptions:
 def _dtype_summary(opts: BenchOptions) -> str:
     """Which scenarios ran in which dtype, naming only those that ran."""
     per_dtype = [
-        s for s in ("throughput", "decode", "levers", "speculative") if s in opts.scenarios
+        s for s in ("throughput", "decode", "levers", *sorted(SPECULATIVE)) if s in opts.scenarios
     ]
     in_fp32 = [s for s in ("prefix", "chunked", "structured") if s in opts.scenarios]
     said = []
@@ -101,7 +104,7 @@ def run_engine_bench(opts: BenchOptions) -> dict:
     if opts.model_dir is not None:
         ckpt = opts.model_dir
         vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
-    elif set(opts.scenarios) <= {"speculative"}:  # it fetches its own: the real model
+    elif set(opts.scenarios) <= SPECULATIVE:  # it fetches its own: the real model
         ckpt, vocab = Path(), BENCH_MODEL["vocab_size"]
     else:
         ckpt = make_bench_checkpoint(opts.out_dir / "bench-model")
@@ -139,6 +142,9 @@ def run_engine_bench(opts: BenchOptions) -> dict:
             jobs.append(
                 (f"speculative/{dtype}", speculative_spec(opts.model_dir, dtype, opts.quick))
             )
+        if "speculative-workspace" in opts.scenarios:
+            ws_spec = speculative_spec(opts.model_dir, dtype, opts.quick, workspace=True)
+            jobs.append((f"speculative-workspace/{dtype}", ws_spec))
         if "levers" in opts.scenarios:
             levers_spec = {
                 **steps,
@@ -375,7 +381,7 @@ def _chunked_section(ch: dict) -> list[str]:
 def _model_label(opts: BenchOptions) -> str:
     if opts.model_dir:
         return str(opts.model_dir)
-    if set(opts.scenarios) <= {"speculative"}:
+    if set(opts.scenarios) <= SPECULATIVE:
         return "the default real model"
     return "random bench model (~32M)"
 
@@ -401,8 +407,9 @@ def summarize(results: dict[str, dict], opts: BenchOptions) -> dict:
             parts += _decode_section(ok[f"decode/{dtype}"], dtype)
         if f"levers/{dtype}" in ok:
             parts += levers_section(ok[f"levers/{dtype}"])
-        if f"speculative/{dtype}" in ok:
-            parts += speculative_section(ok[f"speculative/{dtype}"], dtype)
+        for key in (f"speculative/{dtype}", f"speculative-workspace/{dtype}"):
+            if key in ok:
+                parts += speculative_section(ok[key], dtype)
     if "prefix" in ok:
         parts += _prefix_section(ok["prefix"], data)
     if "chunked" in ok:

@@ -103,7 +103,17 @@ def workloads(quick: bool) -> dict[str, list[str]]:
     return {"copy": copy[:2] if quick else copy, "chat": chat[:2] if quick else chat}
 
 
-def _engine(ckpt: str, dtype: str, method: str, num_tokens: int):
+# The engines a run compares: speculation off, on, and on with no decode workspace (every
+# decode reads its blocks in place: what keeping speculating requests out of the workspace
+# costs and saves at c=1, against dropping a row for a verify step and gathering it again).
+VARIANTS = {
+    "off": {"method": "none"},
+    "on": {"method": "ngram"},
+    "on_no_workspace": {"method": "ngram", "workspace": False},
+}
+
+
+def _engine(ckpt: str, dtype: str, num_tokens: int, method: str, workspace: bool = True):
     gc.collect()
     from workers.engine.config import EngineConfig, SchedulerConfig, SpeculativeConfig
     from workers.engine.llm_engine import LLMEngine
@@ -112,6 +122,7 @@ def _engine(ckpt: str, dtype: str, method: str, num_tokens: int):
         dtype=dtype,
         calibrate=False,
         scheduler=SchedulerConfig(max_num_seqs=8),
+        decode_workspace_tokens=1024 if workspace else 0,
         speculative=SpeculativeConfig(method=method, num_tokens=num_tokens),
     )
     return LLMEngine.from_pretrained(ckpt, cfg)
@@ -160,39 +171,42 @@ def _chat_ids(tok, message: str) -> list[int]:
 
 
 def run_speculative(spec: dict) -> dict:
-    """Both engines over both loads, prompt by prompt, alternating which goes first."""
+    """The engines (`spec["variants"]`, default off and on) over the loads, prompt by
+    prompt, taking turns at going first."""
     ckpt = spec["ckpt"] or str(default_model_dir())
-    off = _engine(ckpt, spec["dtype"], "none", spec["num_tokens"])
-    on = _engine(ckpt, spec["dtype"], "ngram", spec["num_tokens"])
-    tok = on.tokenizer
+    names = spec.get("variants", ["off", "on"])
+    engines = {n: _engine(ckpt, spec["dtype"], spec["num_tokens"], **VARIANTS[n]) for n in names}
+    tok = engines["on"].tokenizer
     assert tok is not None, "the checkpoint needs a tokenizer"
-    # Warm both (kernels, allocator) on a prompt of each load.
-    for load in ("copy", "chat"):
-        _side_by_side({"off": off, "on": on}, _chat_ids(tok, spec["loads"][load][0]), 8, "warm")
-    result: dict[str, Any] = {"model": ckpt, "loads": {}}
+    # Warm them (kernels, allocator) on a prompt of each load.
+    for prompts in spec["loads"].values():
+        _side_by_side(engines, _chat_ids(tok, prompts[0]), 8, "warm")
+    result: dict[str, Any] = {"model": ckpt, "variants": names, "loads": {}}
     i = 0
     for load, prompts in spec["loads"].items():
         rows = []
         for j, message in enumerate(prompts):
             ids = _chat_ids(tok, message)
             for r in range(spec["rounds"]):
-                engines = {"off": off, "on": on} if i % 2 == 0 else {"on": on, "off": off}
+                turn = names[i % len(names) :] + names[: i % len(names)]
                 i += 1
-                got = _side_by_side(engines, ids, spec["max_tokens"], f"{load}-{j}-{r}")
+                got = _side_by_side(
+                    {n: engines[n] for n in turn}, ids, spec["max_tokens"], f"{load}-{j}-{r}"
+                )
                 row: dict[str, Any] = {
                     "prompt": j,
                     "prompt_tokens": len(ids),
                     "output_tokens": len(got["on"]["tokens"]),
-                    "same_output": got["off"]["tokens"] == got["on"]["tokens"],
+                    "same_output": all(got[n]["tokens"] == got["off"]["tokens"] for n in names),
                 }
-                for name in ("off", "on"):
+                for name in names:
                     row.update({f"{k}_{name}": v for k, v in got[name].items() if k != "tokens"})
                 rows.append(row)
-        result["loads"][load] = {"requests": rows, **_totals(rows)}
+        result["loads"][load] = {"requests": rows, **_totals(rows, names)}
     return result
 
 
-def _totals(rows: list[dict]) -> dict[str, float]:
+def _totals(rows: list[dict], names: list[str]) -> dict[str, float]:
     out = sum(r["output_tokens"] for r in rows)
     proposed = sum(r["proposed_on"] for r in rows)
     accepted = sum(r["accepted_on"] for r in rows)
@@ -203,13 +217,15 @@ def _totals(rows: list[dict]) -> dict[str, float]:
         "accepted": accepted,
         "all_same_output": all(r["same_output"] for r in rows),
     }
-    for name in ("off", "on"):
+    for name in names:
         wall = sum(r[f"wall_s_{name}"] for r in rows)
         decode = sum(r[f"wall_s_{name}"] - r[f"ttft_s_{name}"] for r in rows)
         steps = sum(r[f"steps_{name}"] for r in rows)
         totals[f"tok_s_{name}"] = out / wall
         totals[f"decode_tok_s_{name}"] = (out - len(rows)) / decode
         totals[f"tokens_per_step_{name}"] = (out - len(rows)) / max(1, steps - len(rows))
+    for name in names:
+        totals[f"ratio_{name}"] = totals[f"tok_s_{name}"] / totals["tok_s_off"]
     totals["ratio"] = totals["tok_s_on"] / totals["tok_s_off"]
     totals["decode_ratio"] = totals["decode_tok_s_on"] / totals["decode_tok_s_off"]
     totals["median_request_ratio"] = statistics.median(
@@ -218,13 +234,18 @@ def _totals(rows: list[dict]) -> dict[str, float]:
     return totals
 
 
-def speculative_spec(model_dir: Path | None, dtype: str, quick: bool) -> dict[str, Any]:
-    """The child's spec for one dtype (`run_speculative`)."""
+def speculative_spec(
+    model_dir: Path | None, dtype: str, quick: bool, workspace: bool = False
+) -> dict[str, Any]:
+    """The child's spec for one dtype (`run_speculative`). `workspace`: instead, free chat
+    (where speculation comes and goes most) off, on, and on with no decode workspace."""
+    loads = workloads(quick)
     return {
         "ckpt": str(model_dir) if model_dir is not None else None,
         "dtype": dtype,
         "num_tokens": 4,
-        "loads": workloads(quick),
+        "loads": {"chat": loads["chat"]} if workspace else loads,
+        "variants": ["off", "on", "on_no_workspace"] if workspace else ["off", "on"],
         "rounds": 1,
         "max_tokens": 32 if quick else 256,
     }
@@ -264,6 +285,14 @@ def speculative_section(result: dict[str, Any], dtype: str) -> list[str]:
         verdict.append(f"copy-heavy {copy['ratio']:.2f}x (target >= 1.5x)")
     if chat is not None:
         verdict.append(f"free chat {chat['ratio']:.2f}x (target >= 0.95x)")
+    for load, r in result["loads"].items():
+        if "tok_s_on_no_workspace" in r:
+            verdict.append(
+                f"{load}: speculation with no decode workspace {r['tok_s_on_no_workspace']:.2f} "
+                f"tok/s ({r['ratio_on_no_workspace']:.2f}x) against {r['tok_s_on']:.2f} "
+                f"({r['ratio']:.2f}x) with it (a verify step drops the request's row, gathered "
+                "again at its next plain decode)"
+            )
     return [
         f"\n### Speculative decoding (n-gram, k = 4), c = 1, {Path(result['model']).name}, "
         f"{dtype}\n",
