@@ -37,7 +37,85 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="allow a non-loopback --host without a control key (/drain open to the network)",
     )
+    join = worker.add_argument_group(
+        "fleet membership",
+        "announce this worker as a member of a pool in the fleet's Redis, where every "
+        "gateway with membership on finds it (docs/architecture.md, Fleet membership)",
+    )
+    join.add_argument("--join", metavar="REDIS_URL", default=None, help="the fleet's Redis")
+    join.add_argument("--pool", default=None, help="the pool to join (with --join)")
+    join.add_argument(
+        "--advertise-url",
+        default=None,
+        metavar="URL",
+        help="how gateways reach this worker (default: http://HOST:PORT from --host/--port)",
+    )
+    join.add_argument(
+        "--host-id", default=None, metavar="ID", help="this host in the fleet (default: hostname)"
+    )
+    join.add_argument(
+        "--join-ttl",
+        type=float,
+        default=None,
+        metavar="S",
+        help="the membership record's heartbeat TTL in seconds (default 6)",
+    )
     worker.set_defaults(run=run)
+
+
+def join_config(
+    args: argparse.Namespace, device: str, max_num_seqs: int | None, model_dir: Path, variant: str
+):  # noqa: ANN201 (JoinConfig | None; imported late, with the worker)
+    """The worker's `JoinConfig` from its options, or None without --join. Raises
+    ValueError saying what is wrong with them."""
+    from workers.api.membership import DEFAULT_TTL_S, check_name, check_url
+    from workers.fleet.announcer import default_host_id, local_devices
+    from workers.models.fingerprint import model_fingerprint
+    from workers.server.join import JoinConfig
+
+    if args.join is None:
+        if args.pool or args.advertise_url or args.host_id or args.join_ttl is not None:
+            raise ValueError("--pool, --advertise-url, --host-id and --join-ttl need --join")
+        return None
+    if not args.pool:
+        raise ValueError("--join needs --pool NAME: the pool this worker serves")
+    check_name(args.pool)
+    host_id = check_name(args.host_id or default_host_id(), "host")
+    if args.advertise_url is None:
+        if args.host in ("0.0.0.0", "::", ""):
+            raise ValueError(
+                f"--host {args.host} listens on every address; give --advertise-url, the "
+                "address gateways reach this worker at"
+            )
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        advertise = f"http://{host}:{args.port}"
+    else:
+        advertise = args.advertise_url
+    ttl_s = DEFAULT_TTL_S if args.join_ttl is None else args.join_ttl
+    if not ttl_s > 0:
+        raise ValueError(f"--join-ttl must be > 0, got {ttl_s}")
+    return JoinConfig(
+        redis_url=args.join,
+        pool=args.pool,
+        advertise_url=check_url(advertise),
+        host_id=host_id,
+        fingerprint=model_fingerprint(model_dir, variant),
+        devices=local_devices(device),
+        max_num_seqs=max_num_seqs,
+        ttl_s=ttl_s,
+    )
+
+
+def _reach_redis(url: str) -> str | None:
+    """Why the fleet's Redis at `url` cannot be used (None: it answers)."""
+    import redis
+
+    try:
+        with redis.Redis.from_url(url, socket_timeout=3, socket_connect_timeout=3) as client:
+            client.ping()
+    except (redis.RedisError, ValueError, OSError) as exc:
+        return f"--join {url}: Redis does not answer ({exc})"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,6 +147,25 @@ def run(args: argparse.Namespace) -> int:
             f"error: {model_dir} is not a Hugging Face checkpoint (no config.json)", file=sys.stderr
         )
         return 2
+    try:
+        join = join_config(
+            args,
+            engine_cfg.device,
+            engine_cfg.scheduler.max_num_seqs if engine_cfg.scheduler else None,
+            model_dir,
+            "" if engine_cfg.quantization == "none" else f"quantization={engine_cfg.quantization}",
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if join is not None:
+        unreachable = _reach_redis(join.redis_url)
+        if unreachable:
+            print(f"error: {unreachable}", file=sys.stderr)
+            return 2
+        # Gateways send the pool's name as the model: answer to it too.
+        names = worker_cfg.served_model_names or [model_dir.name]
+        worker_cfg.served_model_names = names + [join.pool] * (join.pool not in names)
     from cli.serve.stack import StartupError, check_port_free
 
     try:
@@ -88,12 +185,12 @@ def run(args: argparse.Namespace) -> int:
         level = "debug" if args.verbose else args.log_level
         try:
             return serve_sharded_worker(
-                model_dir, engine_cfg, worker_cfg, shard_cfg, args.host, args.port, level
+                model_dir, engine_cfg, worker_cfg, shard_cfg, args.host, args.port, level, join
             )
         except ShardingError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    _exit_at_once(serve_worker(model_dir, engine_cfg, worker_cfg, args.host, args.port))
+    _exit_at_once(serve_worker(model_dir, engine_cfg, worker_cfg, args.host, args.port, join=join))
 
 
 def _exit_at_once(status: int) -> NoReturn:

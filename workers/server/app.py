@@ -157,7 +157,10 @@ async def drain(request: Request, service: ServiceDep) -> dict[str, Any]:
         raise ApiError(400, f"grace_s must be a number >= 0 or null, got {grace}", param="grace_s")
     if not service.draining and grace is not None:
         asyncio.get_running_loop().call_later(grace, service.hand_over)
-    service.draining = True
+    if not service.draining:
+        service.draining = True
+        for listener in service.drain_listeners:
+            listener()
     log.info(
         "draining (exit when empty: %s; resumable streams handed over after: %s)",
         exit_when_empty,

@@ -1,6 +1,7 @@
 """A worker process: load the engine in the background, serve HTTP with uvicorn."""
 
 import logging
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.server.app import create_worker_app
 from workers.server.config import WorkerConfig
+from workers.server.join import FleetJoin, JoinConfig
 from workers.server.metrics import EngineCollector, WorkerMetrics
 from workers.server.service import WorkerService
 
@@ -77,6 +79,25 @@ def build_worker(
     return app, service
 
 
+class _Server(uvicorn.Server):
+    """uvicorn with the worker's fleet membership: announced once the server is up,
+    withdrawn before it stops taking connections (however it stops)."""
+
+    def __init__(self, config: uvicorn.Config, join: FleetJoin | None) -> None:
+        super().__init__(config)
+        self.join = join
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.join is not None and self.started:
+            await self.join.start()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.join is not None:
+            await self.join.leave()
+        await super().shutdown(sockets)
+
+
 def serve_worker(
     model_dir: Path,
     engine_config: EngineConfig,
@@ -85,13 +106,19 @@ def serve_worker(
     port: int,
     make_engine: Callable[[], LLMEngine] | None = None,
     on_engine: Callable[[AsyncEngine], None] | None = None,
+    join: JoinConfig | None = None,
 ) -> int:
-    """Serve until stopped or drained (exit status 0), or until the engine dies (1)."""
+    """Serve until stopped or drained (exit status 0), or until the engine dies (1).
+    `join`: announce the worker as a member of a pool in the fleet's Redis meanwhile."""
     # The engine thread runs Python between torch kernels; with the default 5 ms GIL
     # switch interval the event loop could wait that long to send a ready token.
     sys.setswitchinterval(0.0005)
     app, service = build_worker(model_dir, engine_config, config, make_engine, on_engine)
-    server = uvicorn.Server(
+    membership = None
+    if join is not None:
+        membership = FleetJoin(join, service)
+        service.drain_listeners.append(membership.kick)
+    server = _Server(
         uvicorn.Config(
             app,
             host=host,
@@ -109,7 +136,8 @@ def serve_worker(
             # (`switchyard bench worker`, one run each on this machine).
             loop="asyncio",
             http="h11",
-        )
+        ),
+        membership,
     )
 
     def exit_now() -> None:

@@ -70,6 +70,8 @@ class WorkerService:
         self._rate: deque[tuple[float, int]] = deque(maxlen=256)
         self._lock = threading.Lock()
         self.on_drained: Callable[[], None] | None = None  # set by the process to exit
+        # Called once a drain starts (the fleet membership announces it at once).
+        self.drain_listeners: list[Callable[[], None]] = []
         # Set by the process: exit non-zero (called from the engine thread).
         self.on_engine_failure: Callable[[], None] | None = None
         self._max_chars_per_token: int | None = None

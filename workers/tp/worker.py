@@ -16,6 +16,7 @@ from workers.engine.async_engine import AsyncEngine
 from workers.engine.config import EngineConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.server.config import WorkerConfig
+from workers.server.join import JoinConfig
 from workers.server.main import serve_worker
 from workers.tp.config import ShardConfig
 from workers.tp.group import ShardGroupError
@@ -32,9 +33,11 @@ def serve_sharded_worker(
     host: str,
     port: int,
     log_level: str = "info",
+    join: JoinConfig | None = None,
 ) -> int:
     """Serve until stopped or drained (0), or until the engine or the group fails (1).
-    Raises ShardingError (before starting anything) for a model that cannot be split."""
+    Raises ShardingError (before starting anything) for a model that cannot be split.
+    `join`: announce the worker as a pool member in the fleet's Redis meanwhile."""
     launcher = ShardGroupLauncher(model_dir, engine_config, shard_config, log_level)
 
     def make_engine() -> LLMEngine:
@@ -49,7 +52,14 @@ def serve_sharded_worker(
     code = 1
     try:
         code = serve_worker(
-            model_dir, launcher.engine_config, config, host, port, make_engine, on_engine
+            model_dir,
+            launcher.engine_config,
+            config,
+            host,
+            port,
+            make_engine,
+            on_engine,
+            join=join,
         )
     finally:
         launcher.close()
