@@ -122,6 +122,7 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
         if process_metrics is not None:
             await process_metrics.start()  # siblings may ask for this process's metrics
         poller = asyncio.ensure_future(_poll_loads(gw))
+        members = asyncio.ensure_future(gw.membership.run()) if gw.membership else None
         stop = asyncio.Event()
         upkeep = asyncio.ensure_future(
             gw.maintenance.run_forever(gw.config.quota_sweep_interval_s, stop)
@@ -134,6 +135,10 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
             # Requests still running were cancelled by the server's grace period; their
             # flights closed their upstreams and scheduled their reconciles.
             poller.cancel()
+            if members is not None and gw.membership is not None:
+                members.cancel()
+                await asyncio.gather(members, return_exceptions=True)
+                await gw.membership.store.redis.aclose()
             await gw.settle_all()
             stop.set()
             await asyncio.gather(upkeep, return_exceptions=True)

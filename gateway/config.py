@@ -27,10 +27,35 @@ class UpstreamConfig:
 
 
 @dataclass
+class MembershipConfig:
+    """Pool members from the fleet's Redis (workers/api/membership.py): workers that ran
+    `switchyard worker --join`, and the local replicas of `switchyard serve` supervisors
+    on other hosts. A configured pool takes every live member announced under its name,
+    beside its static `urls`; names no configured pool has are ignored."""
+
+    enabled: bool = False
+    redis_url: str | None = None  # None: the gateway's own Redis (quotas, keys)
+    # A member's record lives ttl_s past its last heartbeat (members heartbeat every
+    # ttl_s / 3). The gateway re-reads every poll_s, and at once on a change message, so
+    # a member that dies without withdrawing leaves the rotation within ttl_s + poll_s.
+    # Each member sets its own TTL where it announces (`worker --join-ttl`; a `serve`
+    # supervisor's replicas take this one); /admin/fleet shows ttl_s + poll_s as the bound.
+    ttl_s: float = 6.0
+    poll_s: float = 1.0
+    # Pools that take members from Redis; None: every configured pool.
+    pools: list[str] | None = None
+    # Per pool, the model fingerprint its members must have; a pool not named takes the
+    # one Redis holds (set by its first member). Members of another model are refused.
+    fingerprints: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
 class GatewayConfig:
     """Everything the gateway process needs; pools map a pool name to worker URLs."""
 
     pools: dict[str, list[str]] = field(default_factory=dict)
+    # Members announced in the fleet's Redis join the pools too (off: static URLs only).
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
     # Per pool, the kind of server its members are (gateway/upstreams); default switchyard.
     upstreams: dict[str, UpstreamConfig] = field(default_factory=dict)
     # Local tokenizer directory (or tokenizer.json) per pool, to count prompt tokens the

@@ -16,6 +16,7 @@ from gateway.billing.book import PriceBook
 from gateway.billing.budgets import BudgetWebhook, SpendView
 from gateway.billing.prices import prices_from_dict
 from gateway.capacity.door import Gate
+from gateway.capacity.membership import MembershipWatcher
 from gateway.capacity.pool import Pool
 from gateway.config import GatewayConfig
 from gateway.learning.learner import Learner
@@ -63,6 +64,8 @@ class Gateway:
     # Per pool, what a fleet supervisor in this process knows (replicas, the autoscaler's
     # last decision), merged into GET /admin/fleet; None: the pools are static URL lists.
     fleet_status: "Callable[[], dict[str, Any]] | None" = None
+    # Members announced in the fleet's Redis (gateway/capacity/membership.py); None: off.
+    membership: MembershipWatcher | None = None
     # Keys that authenticated recently (digest -> (caller, monotonic time)): taken without
     # a Redis lookup for `key_cache_ttl_s`, and while Redis is unreachable for
     # `known_key_ttl_s` (a known key keeps working through an outage, an unknown one never).

@@ -38,7 +38,7 @@ class PoolMembership:
         self._write_targets()
 
     def add(self, pool: str, url: str) -> None:
-        self.pools[pool].add_member(url)
+        self.pools[pool].add_member(url, origin="local")
         self._write_targets()
 
     def remove(self, pool: str, url: str, lost: bool) -> None:

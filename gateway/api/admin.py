@@ -197,10 +197,25 @@ class FleetController(AdminController):
                 "tokens_per_s": round(pool.tokens_per_s(), 2),
                 "ready_replicas": sum(v.state == "ready" for v in pool.views.values()),
                 "capacity": _capacity(pool),
+                "membership": _membership(gw, name),
                 **extra.get(name, {}),
             }
             for name, pool in gw.pools.items()
         }
+
+
+def _membership(gw: Gateway, pool: str) -> dict[str, Any] | None:
+    """Whether the pool takes members from the fleet's Redis, and the bound on how long a
+    dead member stays in the rotation (None: membership is off). Each worker's `origin`
+    (config, local, joined) is in `workers`."""
+    watcher = gw.membership
+    if watcher is None:
+        return None
+    return {
+        "from_redis": pool in watcher.watched,
+        "staleness_bound_s": watcher.staleness_bound_s,
+        "fingerprint": watcher.pool_fingerprints.get(pool),  # its members' model
+    }
 
 
 def _capacity(pool: Pool) -> dict[str, Any]:

@@ -107,6 +107,9 @@ class Pool:
         # A member silent since it joined is starting, not lost, for this long.
         self.start_grace_s = start_grace_s
         self.views: dict[str, WorkerView] = {}
+        # Where each member came from: "config" (static urls), "local" (a supervisor in
+        # this process), "joined" (announced in the fleet's Redis: gateway/capacity/membership.py).
+        self.origins: dict[str, str] = {}
         for u in urls:
             self.add_member(u)
         self.queue_config = queue_config
@@ -122,9 +125,13 @@ class Pool:
         self._reported: dict[str, str] = {}
         self._lost: dict[str, asyncio.Future[None]] = {}
 
-    def add_member(self, url: str) -> None:
-        """A replica joins (a supervisor started it): `loading` until its /load says ready."""
+    def add_member(self, url: str, origin: str = "config") -> None:
+        """A replica joins (a supervisor started it, or it was announced, `origin`):
+        `loading` until its /load says ready. A member already there keeps its view; a
+        member from config or a local supervisor keeps that origin over "joined"."""
         url = url.rstrip("/")
+        if origin != "joined" or self.origins.get(url, "joined") == "joined":
+            self.origins[url] = origin
         if url not in self.views:
             if self._upstream_headers:
                 self.client.set_headers(url, self._upstream_headers)
@@ -147,6 +154,7 @@ class Pool:
         url = url.rstrip("/")
         if lost:
             self.mark_unreachable(url)
+        self.origins.pop(url, None)
         if self.views.pop(url, None) is not None:
             log.info("pool %s: worker %s left", self.name, url)
             if self._upstream_headers:
@@ -568,6 +576,7 @@ class Pool:
         return [
             {
                 "url": v.url,
+                "origin": self.origins.get(v.url, "config"),
                 "state": v.state,
                 "inflight": v.inflight,
                 "running": v.num_running,

@@ -16,6 +16,7 @@ from gateway.app import create_gateway_app
 from gateway.capacity.door import Gate
 from gateway.capacity.fair_queue import QueueConfig
 from gateway.capacity.flaps import FlapPolicy
+from gateway.capacity.membership import MembershipWatcher
 from gateway.capacity.pool import Pool
 from gateway.config import GatewayConfig, UpstreamConfig
 from gateway.gateway import Gateway
@@ -39,6 +40,7 @@ from quota.store import TenantStore
 from quota.sweeper import QuotaMaintenance, new_owner_id
 from quota.usage import UsageConfig, UsageReader
 from workers.api.client import WorkerClient
+from workers.api.membership_store import MembershipStore, membership_redis
 from workers.api.upstreams.registry import adapter_for
 
 log = logging.getLogger(__name__)
@@ -148,7 +150,19 @@ def build_gateway(
             max_wait_s=config.door_max_wait_s,
             window_s=config.door_window_s,
         )
+    membership = None
+    if config.membership.enabled:
+        members_redis = membership_redis(config.membership.redis_url or redis_url)
+        membership = MembershipWatcher(
+            MembershipStore(members_redis), pools, config.membership, registry
+        )
+        log.info(
+            "pools %s take members from the fleet's Redis (gone within %g s of a death)",
+            membership.watched,
+            membership.staleness_bound_s,
+        )
     return Gateway(
+        membership=membership,
         router=router,
         usage=UsageReader(redis, usage),
         learner=learner,
