@@ -25,6 +25,7 @@ from cli.commands.models import cache_dir
 from cli.config_files import fill
 from cli.logs import setup_logging
 from cli.serve import console, state
+from cli.serve.announce import announced_membership
 from cli.serve.config import (
     DEMO_MODELS,
     ServeConfig,
@@ -47,6 +48,7 @@ from workers.fleet.autoscaler import Autoscaler
 from workers.fleet.devices import DeviceInventory, Placement
 from workers.fleet.supervisor import (
     LocalSupervisor,
+    Membership,
     PoolLaunch,
     SupervisorConfig,
     detect_devices,
@@ -338,10 +340,20 @@ class Stack:
                 )
         launches = worker_launches(cfg, model_dirs, self.data_dir / "run", self.opts, placed)
         launches |= llama_server_launches(cfg, llama_files or {}, probe, placed)
+        membership: Membership = PoolMembership(
+            gw.pools, self.data_dir / "prometheus" / "workers.json"
+        )
+        announced = None
+        if gcfg.membership.enabled:
+            # The local replicas in the fleet's Redis too, for the other hosts' gateways.
+            announced = announced_membership(gcfg, redis_url, cfg, model_dirs, membership)
+            membership = announced
+            if gw.membership is not None:
+                gw.membership.skip_announcer = announced.announcer.announcer_id
         supervisor = LocalSupervisor(
             {name: launches[name] for name in cfg.pools},
             probe,
-            PoolMembership(gw.pools, self.data_dir / "prometheus" / "workers.json"),
+            membership,
             SupervisorConfig(
                 log_dir=self.data_dir / "logs",
                 restart_base_s=cfg.fleet.restart_base_s,
@@ -354,6 +366,9 @@ class Stack:
             inventory=inventory,
         )
         self.supervisor = supervisor
+        if announced is not None:
+            announced.supervisor = supervisor
+            announced.announcer.start()
         autoscaler = None
         if cfg.fleet.autoscale:
             autoscaler = Autoscaler({n: autoscaler_config(p) for n, p in cfg.pools.items()})
@@ -408,6 +423,9 @@ class Stack:
                 fleet_task.cancel()
                 with contextlib.suppress(BaseException):
                     await fleet_task
+            if announced is not None:  # out of every gateway's rotation first
+                await announced.announcer.close()
+                await announced.announcer.store.redis.aclose()
             console.note("stopping the workers")
             await supervisor.stop()
             await probe.aclose()
