@@ -4,6 +4,10 @@ import argparse
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cli.serve.config import ServeConfig
 
 DEFAULT_CONFIG = Path("configs/serve.yaml")
 
@@ -28,6 +32,8 @@ def run(args: argparse.Namespace) -> int:
         cfg.data_dir = str(Path(args.data_dir).resolve())
     if args.no_autoscale:
         cfg.fleet.autoscale = False
+    if args.join is not None or args.host_id is not None or cfg.fleet.join:
+        join_fleet(cfg, args.join, args.host_id)
     opts = RunOptions(
         Path(path) if path else None,
         log_level="debug" if args.verbose else args.log_level,
@@ -38,6 +44,39 @@ def run(args: argparse.Namespace) -> int:
     except StartupError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def join_fleet(cfg: "ServeConfig", redis_url: str | None, host_id: str | None) -> None:
+    """`--join REDIS_URL [--host-id ID]` (or `fleet.join` in the config): this host joins the
+    fleet sharing that Redis (no embedded Redis; pool membership read from and announced
+    to it). SystemExit on a bad value."""
+    import socket
+
+    from cli.serve.config import check_fleet
+    from workers.fleet.hosts import check_host_id
+
+    if redis_url is not None:
+        if not redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise SystemExit(
+                f"error: --join takes a Redis URL (redis://HOST:PORT, rediss://, unix://), "
+                f"not {redis_url!r}"
+            )
+        cfg.redis_url = redis_url
+        cfg.fleet.join = True
+    if host_id is not None:
+        if not cfg.fleet.join:
+            raise SystemExit("error: --host-id names this host in a fleet: give --join too")
+        cfg.fleet.host_id = host_id
+    if cfg.fleet.host_id is None:
+        cfg.fleet.host_id = socket.gethostname()
+    try:
+        check_host_id(cfg.fleet.host_id)
+    except ValueError as exc:
+        raise SystemExit(f"error: --host-id: {exc} (the hostname is the default)") from None
+    membership = dict(cfg.gateway.options.get("membership") or {})
+    membership["enabled"] = True
+    cfg.gateway.options["membership"] = membership
+    check_fleet(cfg, "--join")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -69,5 +108,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--data-dir", default=None, help="default: data_dir of the config")
     serve.add_argument(
         "--no-autoscale", action="store_true", help="keep every pool at its min_replicas"
+    )
+    serve.add_argument(
+        "--join",
+        default=None,
+        metavar="REDIS_URL",
+        help="join the fleet of hosts sharing this Redis (quotas, pool membership, the "
+        "autoscaler's leader lease): no embedded Redis; this host's workers are announced "
+        "to every gateway and its supervisor carries out the elected leader's orders",
+    )
+    serve.add_argument(
+        "--host-id",
+        default=None,
+        help="this host's name in the fleet (default: the hostname); with --join",
     )
     serve.set_defaults(run=run)

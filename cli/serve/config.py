@@ -14,6 +14,8 @@ from gateway.config import GatewayConfig, UpstreamConfig
 from workers.engine.config import EngineConfig
 from workers.fleet.autoscaler import AutoscalerConfig
 from workers.fleet.devices import DeviceKind, Placement
+from workers.fleet.hosts import check_host_id
+from workers.fleet.lease import LeaseConfig
 
 DEMO_MODELS = ("demo-small", "demo-large")  # `switchyard models make-demo` checkpoints
 # What a pool's replicas are: Switchyard workers, or llama.cpp's llama-server processes.
@@ -126,6 +128,19 @@ class FleetSection:
     # Each replica on devices of its own (CPU cores or GPUs, workers/fleet/devices.py), and
     # none started that the free devices cannot hold. False: replicas share the machine.
     place_on_devices: bool = True
+    # One of several hosts sharing `redis_url` (`switchyard serve --join REDIS_URL`): this
+    # host's supervisor and gateway join the fleet whose quotas, membership and leader
+    # lease live there. The supervisors elect one leader (a lease of lease_ttl_s with a
+    # fencing token) that autoscales every pool across all hosts (min/max_replicas are
+    # fleet-wide) and places new replicas on hosts with free devices; each host starts and
+    # drains what it is ordered. False: a single host, its own leader.
+    join: bool = False
+    host_id: str | None = None  # this host in the fleet; None: the hostname
+    lease_ttl_s: float = 6.0  # a dead leader is replaced within this
+    # The address this host's Switchyard workers listen on and are announced at: loopback
+    # serves this host's gateway alone (or a fleet on one machine); on a fleet of machines,
+    # this host's own address, so the other hosts' gateways reach them.
+    worker_host: str = "127.0.0.1"
 
 
 @dataclass
@@ -257,6 +272,7 @@ def check(cfg: ServeConfig, where: str) -> None:
             "gateway process beside its fleet supervisor. For several, run `switchyard "
             "gateway --workers N` in front of separately started `switchyard worker`s"
         )
+    check_fleet(cfg, where)
     c = cfg.cascade
     if c.enabled:
         for pool in (c.small_pool, c.large_pool):
@@ -264,6 +280,34 @@ def check(cfg: ServeConfig, where: str) -> None:
                 raise SystemExit(f"{where}: cascade pool {pool!r} is not among {sorted(cfg.pools)}")
         if c.target_fraction is not None and not 0.0 <= c.target_fraction <= 1.0:
             raise SystemExit(f"{where}: cascade.target_fraction must be in [0, 1]")
+
+
+def check_fleet(cfg: ServeConfig, where: str) -> None:
+    fleet = cfg.fleet
+    if fleet.join and not cfg.redis_url:
+        raise SystemExit(
+            f"{where}: fleet.join needs redis_url: the Redis every host of the fleet shares "
+            "(or give it with --join REDIS_URL)"
+        )
+    if fleet.host_id is not None:
+        try:
+            check_host_id(fleet.host_id)
+        except ValueError as exc:
+            raise SystemExit(f"{where}: fleet.host_id: {exc}") from None
+    if not isinstance(fleet.lease_ttl_s, int | float) or fleet.lease_ttl_s < 1.0:
+        raise SystemExit(f"{where}: fleet.lease_ttl_s must be a number of seconds >= 1")
+    if not isinstance(fleet.worker_host, str) or fleet.worker_host in ("", "0.0.0.0", "::"):
+        raise SystemExit(
+            f"{where}: fleet.worker_host must be an address the gateways reach the workers "
+            f"at (this host's own, or 127.0.0.1), not {fleet.worker_host!r}"
+        )
+
+
+def lease_config(cfg: ServeConfig) -> LeaseConfig:
+    """The leader lease: renewed every ttl / 3; a holder stops leading a tenth of the ttl
+    (at most half a second) before its key can expire."""
+    ttl_s = float(cfg.fleet.lease_ttl_s)
+    return LeaseConfig(ttl_s=ttl_s, margin_s=min(0.5, ttl_s / 10))
 
 
 def check_llamacpp(pool: PoolSection, at: str) -> None:

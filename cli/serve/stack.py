@@ -29,12 +29,12 @@ from cli.serve.announce import announced_membership
 from cli.serve.config import (
     DEMO_MODELS,
     ServeConfig,
-    autoscaler_config,
     device_kind,
     placements,
     upstream_config,
 )
 from cli.serve.fleet import FleetLoop, PoolMembership
+from cli.serve.joined import JoinedFleetLoop, make_fleet_loop
 from cli.serve.llamacpp import llama_server_files, llamacpp_argv, llamacpp_launch
 from gateway.app import create_gateway_app
 from gateway.config import GatewayConfig
@@ -44,7 +44,6 @@ from gateway.runtime.http_server import server_config
 from gateway.runtime.main import build_gateway
 from quota.models import TenantLimits
 from workers.api.client import WorkerClient
-from workers.fleet.autoscaler import Autoscaler
 from workers.fleet.devices import DeviceInventory, Placement
 from workers.fleet.supervisor import (
     LocalSupervisor,
@@ -214,7 +213,7 @@ def worker_launches(
                 "--model",
                 str(model_dirs[_name]),
                 "--host",
-                "127.0.0.1",
+                cfg.fleet.worker_host,
                 "--port",
                 str(port),
                 "--config",
@@ -229,6 +228,7 @@ def worker_launches(
             env={"SWITCHYARD_WORKER_CONTROL_KEY": control_key},
             control_key=control_key,
             placement=placement,
+            host=cfg.fleet.worker_host,
         )
     return launches
 
@@ -346,7 +346,9 @@ class Stack:
         announced = None
         if gcfg.membership.enabled:
             # The local replicas in the fleet's Redis too, for the other hosts' gateways.
-            announced = announced_membership(gcfg, redis_url, cfg, model_dirs, membership)
+            announced = announced_membership(
+                gcfg, redis_url, cfg, model_dirs, membership, host_id=cfg.fleet.host_id
+            )
             membership = announced
             if gw.membership is not None:
                 gw.membership.skip_announcer = announced.announcer.announcer_id
@@ -369,17 +371,7 @@ class Stack:
         if announced is not None:
             announced.supervisor = supervisor
             announced.announcer.start()
-        autoscaler = None
-        if cfg.fleet.autoscale:
-            autoscaler = Autoscaler({n: autoscaler_config(p) for n, p in cfg.pools.items()})
-        fleet = FleetLoop(
-            gw.pools,
-            supervisor,
-            autoscaler,
-            cfg.fleet.interval_s,
-            rate_window_s=cfg.fleet.rate_window_s,
-        )
-        gw.fleet_status = fleet.status
+        fleet = make_fleet_loop(cfg, gw, supervisor, redis_url)  # one host, or a fleet's
         host, port = cfg.gateway.host, cfg.gateway.port
         server_cfg = server_config(
             create_gateway_app(gw),
@@ -405,10 +397,10 @@ class Stack:
             setup_logging(self.opts.log_level, self.opts.log_format)
             console.route_uvicorn_logs()
             for name, pool in cfg.pools.items():
-                for _ in range(pool.min_replicas):
+                for _ in range(0 if cfg.fleet.join else pool.min_replicas):  # else: the leader's
                     supervisor.start_replica(name)
             fleet_task = asyncio.ensure_future(fleet.run())
-            if not await self._wait_ready(gw, supervisor, url):
+            if not await self._wait_ready(gw, supervisor, url, fleet):
                 return 0
             await self._first_start(gw, url, admin_key)
             await self.stop.wait()
@@ -423,6 +415,8 @@ class Stack:
                 fleet_task.cancel()
                 with contextlib.suppress(BaseException):
                     await fleet_task
+            if isinstance(fleet, JoinedFleetLoop):  # the lease to another host, at once
+                await fleet.leave()
             if announced is not None:  # out of every gateway's rotation first
                 await announced.announcer.close()
                 await announced.announcer.store.redis.aclose()
@@ -430,9 +424,15 @@ class Stack:
             await supervisor.stop()
             await probe.aclose()
 
-    async def _wait_ready(self, gw: Gateway, supervisor: LocalSupervisor, url: str) -> bool:
-        """Until every pool has its warm replicas ready and the gateway routes to them,
-        with a live status line. False: stopped first."""
+    async def _wait_ready(
+        self,
+        gw: Gateway,
+        supervisor: LocalSupervisor,
+        url: str,
+        fleet: FleetLoop | JoinedFleetLoop | None = None,
+    ) -> bool:
+        """Until every pool has its warm replicas ready (on a fleet: on any host) and the
+        gateway routes to them, with a live status line. False: stopped first."""
         t0 = time.monotonic()
         with console.Status() as status:
             while not self.stop.is_set():
@@ -440,6 +440,8 @@ class Stack:
                 for name, pool in self.cfg.pools.items():
                     reps = supervisor.pool_replicas(name)
                     num_ready = sum(r.state == "ready" for r in reps)
+                    if isinstance(fleet, JoinedFleetLoop):
+                        num_ready = fleet.fleet_ready(name)
                     routed = any(v.state == "ready" for v in gw.pools[name].views.values())
                     ready &= num_ready >= pool.min_replicas and routed
                     restarts = sum(r.num_restarts for r in reps)

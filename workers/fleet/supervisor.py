@@ -116,6 +116,9 @@ class PoolLaunch:
     # How its replicas are watched and drained; None: Switchyard workers (`WorkerProbe`
     # over the supervisor's client).
     probe: ReplicaProbe | None = None
+    # The address `argv` makes a replica listen on, and where it is reached: loopback for
+    # this host's gateway alone; a fleet host's own address for other hosts' gateways too.
+    host: str = "127.0.0.1"
 
 
 @dataclass
@@ -216,10 +219,12 @@ class Replica:
     left_rotation: bool = False
     num_idle_polls: int = 0
     terminated: bool = False
+    host: str = "127.0.0.1"  # the address it listens on (its pool's `PoolLaunch.host`)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     def to_signals(self) -> ReplicaSignals:
         load = self.load if self.state != "starting" else None
@@ -287,7 +292,9 @@ class LocalSupervisor:
     def start_replica(self, pool: str) -> str:
         """Raises NoDevices (nothing started) when the pool's placement does not fit the
         free devices."""
-        replica = Replica(f"{pool}-{next(self._ids)}", pool, self.clock())
+        replica = Replica(
+            f"{pool}-{next(self._ids)}", pool, self.clock(), host=self.pools[pool].host
+        )
         need = self.pools[pool].placement
         if need is not None:
             if self.inventory is None:
@@ -467,7 +474,7 @@ class LocalSupervisor:
 
     def _launch(self, replica: Replica) -> None:
         launch = self.pools[replica.pool]
-        replica.port = free_port()
+        replica.port = free_port(replica.host)
         replica.restart_at_s = None
         replica.launched_at_s = self.clock()
         replica.log_path = self.config.log_dir / f"{replica.replica_id}.log"
