@@ -28,6 +28,11 @@ def _cmd_engine(args: argparse.Namespace) -> int:
         status = _kv_int8_bench(args)
         if status != 0 or not scenarios:
             return status
+    if "quantized" in scenarios:  # its own report, on the real model (engine_quant.py)
+        scenarios.remove("quantized")
+        status = _quantized_bench(args)
+        if status != 0 or not scenarios:
+            return status
     from benchmarks.engine_bench import BenchOptions, run_engine_bench
 
     opts = BenchOptions(
@@ -61,6 +66,30 @@ def _kv_int8_bench(args: argparse.Namespace) -> int:
             print(f"error: the default model: {exc}", file=sys.stderr)
             return 2
     run_kv_bench(KVBenchOptions(out_dir=Path(args.out), model_dir=model_dir, quick=args.quick))
+    return 0
+
+
+def _quantized_bench(args: argparse.Namespace) -> int:
+    """Quantized weights beside the float engine and llama-server, on --model, else the
+    default model (fetched once)."""
+    from benchmarks.engine_quant import QuantBenchOptions, run_quant_bench
+    from cli.commands.models import cache_dir
+
+    cache = cache_dir(None)
+    if args.model:
+        model_dir = Path(args.model)
+    else:
+        from workers.errors import ModelFetchError
+        from workers.models.fetch import fetch_model
+        from workers.models.registry import default_model
+
+        try:
+            model_dir = fetch_model(default_model(), cache).path
+        except ModelFetchError as exc:
+            print(f"error: the default model: {exc}", file=sys.stderr)
+            return 2
+    opts = QuantBenchOptions(Path(args.out), model_dir, quick=args.quick, cache=cache)
+    run_quant_bench(opts)
     return 0
 
 
@@ -293,8 +322,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--scenarios",
         default="throughput,decode,prefix,chunked",
         help="comma list of throughput,decode,levers,prefix,chunked,structured,speculative,"
-        "kv-int8 (speculative: n-gram speculation at c=1 on the real default model unless "
-        "--model; kv-int8: int8 KV beside bf16 KV on the same, its own engine-kv-int8 report)",
+        "kv-int8,quantized (speculative: n-gram speculation at c=1 on the real default model "
+        "unless --model; kv-int8: int8 KV beside bf16 KV on the same, its own engine-kv-int8 "
+        "report; quantized: int8 and q4 weights beside fp32/bf16 and llama-server, its own "
+        "engine-quantized report)",
     )
     be.add_argument(
         "--model", default=None, help="a local checkpoint dir (default: a random ~32M Llama)"
