@@ -82,6 +82,7 @@ class QuantBenchOptions:
     ppl_ctx: int = 256  # llama-perplexity's -c
     llama: bool = True  # llama-server and llama-perplexity beside (built in the cache)
     threads: int = 2  # llama-server -t, as many as the worker's cores
+    c1_requests: int = 8  # c=1: requests one after the other (few make a noisy figure)
     seed: int = 0
     cache: Path = Path.home() / ".cache" / "switchyard"  # the wheels of `models fetch`
 
@@ -346,11 +347,13 @@ async def _load(url: str, opts: QuantBenchOptions) -> dict:
     rng = random.Random(opts.seed)
     n_out = 16 if opts.quick else opts.output_tokens
     out: dict[str, Any] = {}
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    # A connection per request: llama-server (cpp-httplib) closes a kept-alive connection
+    # after a few requests, and a client that reuses it then finds it gone.
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as client:
         await _stream(client, _prompts(opts, 1, rng)[0], 8)  # warm-up
         for c in [1, 4] if opts.quick else opts.concurrency:
-            rounds = 3 if c == 1 else 1  # c=1: three requests one after the other
+            rounds = opts.c1_requests if c == 1 else 1  # c=1: one request after another
             t0 = time.perf_counter()
             results = []
             for _ in range(rounds):
