@@ -116,6 +116,7 @@ class MembershipWatcher:
         self._refused: set[tuple[str, str, str]] = set()  # (pool, member id, fingerprint)
         self._wake = asyncio.Event()
         self._failing = False
+        self.subscribed = False  # to the change channel, confirmed
         self.num_syncs = 0  # reads applied, since start
         # Per pool, the model its members must have, as of the last read (None: no member).
         self.pool_fingerprints: dict[str, str | None] = {}
@@ -210,20 +211,25 @@ class MembershipWatcher:
             pubsub = self.store.subscribe()
             try:
                 await pubsub.subscribe(CHANNEL)
-                self.wake()  # messages may have been missed while unsubscribed
                 while True:
                     # A bounded wait (the client's socket timeout would end a blocking one).
                     message = await pubsub.get_message(timeout=self.config.poll_s)
                     if message is None:
                         continue
+                    if message["type"] == "subscribe":
+                        # From now on nothing is missed; what changed before, a read sees.
+                        self.subscribed = True
+                        self.wake()
+                        continue
                     data = message.get("data")
                     pool = data.decode(errors="replace") if isinstance(data, bytes) else data
-                    if pool in watched:
+                    if message["type"] == "message" and pool in watched:
                         self.wake()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 (the polls go on meanwhile)
                 log.debug("membership channel lost (%r); resubscribing", exc)
             finally:
+                self.subscribed = False
                 await pubsub.aclose()
             await asyncio.sleep(RESUBSCRIBE_S)

@@ -98,9 +98,11 @@ class MembershipStore:
         return {pool: _parse(pool, reply) for pool, reply in zip(pools, replies, strict=True)}
 
     def subscribe(self) -> PubSub:
-        """A pub/sub connection for the change channel (call `subscribe(CHANNEL)` on it);
-        each message's data is the name of a pool that changed."""
-        return self.redis.pubsub(ignore_subscribe_messages=True)
+        """A pub/sub connection for the change channel (call `subscribe(CHANNEL)` on it).
+        Its first message is the subscription's confirmation (`type: subscribe`): from then
+        on nothing published is missed. Each later message's data is the name of a pool
+        that changed."""
+        return self.redis.pubsub()
 
 
 def _parse(pool: str, reply: list) -> PoolMembers:

