@@ -14,12 +14,9 @@ def render_fleet(doc: dict[str, Any]) -> str:
         if capacity:
             lines += render_capacity(capacity)
         replicas = pool.get("replicas")
-        if replicas is None:  # a gateway without a supervisor: its static members
-            for w in pool.get("workers", []):
-                lines.append(
-                    f"  {w['url']:<28} {w['state']:<10} running {w['running']:>3} "
-                    f"waiting {w['waiting']:>3} in flight {w['inflight']:>3}"
-                )
+        workers = pool.get("workers", [])
+        if replicas is None:  # a gateway without a supervisor: its members, static or joined
+            lines += [_worker_line(w) for w in workers]
             continue
         for r in replicas:
             load = (
@@ -38,6 +35,9 @@ def render_fleet(doc: dict[str, Any]) -> str:
                 + (f" restarts {r['restarts']}" if r.get("restarts") else "")
                 + on
             )
+        # Members of other hosts, announced in the fleet's Redis (the supervisor's own
+        # replicas are above).
+        lines += [_worker_line(w) for w in workers if w.get("origin") == "joined"]
         placement = pool.get("placement")
         if placement:
             free = ",".join(map(str, placement["free"])) or "none"
@@ -65,6 +65,15 @@ def render_fleet(doc: dict[str, Any]) -> str:
                 f"service {fmt(signals['mean_service_s'])} s"
             )
     return "\n".join(lines)
+
+
+def _worker_line(w: dict[str, Any]) -> str:
+    """One member of a pool as the gateway sees it, and where it came from (config,
+    local, joined)."""
+    return (
+        f"  {w['url']:<28} {w['state']:<10} running {w['running']:>3} "
+        f"waiting {w['waiting']:>3} in flight {w['inflight']:>3} ({w.get('origin', 'config')})"
+    )
 
 
 def _s(value: Any, digits: int = 2) -> str:

@@ -52,3 +52,19 @@ def test_a_pool_without_targets_or_a_model_shows_dashes_not_numbers() -> None:
 def test_a_gateway_without_capacity_in_its_answer_renders_as_before() -> None:
     out = render_fleet({"small": {"waiting": 0, "workers": WORKERS}})
     assert "capacity" not in out and len(out.splitlines()) == 2
+
+
+def test_each_member_says_where_it_came_from_and_joined_ones_show_beside_replicas() -> None:
+    joined = {"url": "http://10.0.0.7:8101", "state": "ready", "running": 0, "waiting": 0,
+              "inflight": 0, "origin": "joined"}  # fmt: skip
+    local = {**WORKERS[0], "origin": "local"}
+    out = render_fleet({"small": {"waiting": 0, "workers": [WORKERS[0], joined]}})
+    assert out.splitlines()[1].endswith("(config)") and out.splitlines()[2].endswith("(joined)")
+    replica = {"id": "small-0", "state": "ready", "url": WORKERS[0]["url"], "running": 1,
+               "waiting": 0, "restarts": 0}  # fmt: skip
+    served = render_fleet({"small": {"waiting": 0, "workers": [local, joined],
+                                     "replicas": [replica]}})  # fmt: skip
+    lines = served.splitlines()
+    assert lines[1].split()[0] == "small-0"  # the supervisor's own replica
+    assert lines[2].split()[0] == "http://10.0.0.7:8101" and lines[2].endswith("(joined)")
+    assert len(lines) == 3  # the local member is the replica above, not listed twice
