@@ -140,18 +140,21 @@ class JoinedFleetLoop:
 
     def status(self) -> dict[str, Any]:
         """Per pool, for `GET /admin/fleet`: this host's replicas, the leader's last decision
-        (when this host leads) and the fleet: hosts, leader, desired replicas."""
+        and fleet-wide signals (when this host leads) and the fleet: hosts, leader, desired
+        replicas, orders this host carried out and refused."""
         holder = self.keeper.holder
         leading = holder.is_leader(self.clock())
         out: dict[str, Any] = {}
         for name in self.pools:
             last = self.leader.autoscaler.last.get(name) if leading else None
+            signals = self.leader.last_signals.get(name) if leading else None
             config = self.leader.configs.get(name)
             out[name] = {
                 "replicas": [r.to_dict() for r in self.supervisor.pool_replicas(name)],
                 "min_replicas": config.min_replicas if config else None,
                 "max_replicas": config.max_replicas if config else None,
                 "decision": last.to_dict() if last else None,
+                "signals": signals.to_dict() if signals else None,  # fleet-wide
                 "fleet": {
                     "host_id": self.host_id,
                     "leader": leading,

@@ -208,7 +208,7 @@ class FleetLeader:
         hosts, _, _ = await self.store.read_hosts()
         self.hosts = hosts
         self.waiting_for = [
-            h.host_id for h in hosts if h.written_at_ms < self.keeper.acquired_server_ms
+            h.host_id for h in hosts if h.written_at_ms <= self.keeper.acquired_server_ms
         ]
         if self.waiting_for:
             return []
