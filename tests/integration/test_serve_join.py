@@ -1,0 +1,88 @@
+"""Two `switchyard serve --join` processes ("hosts" a and b) sharing one real Redis: one
+leader orders the pool's replicas for the fleet (never more than max_replicas across
+both), b's gateway serves through a's workers, every gateway exports the leader's
+desired replicas, and when a dies b takes the lease within its ttl and puts the pool
+back on its own devices."""
+
+import re
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.redis_server import redis_url
+from tests.support.serve_stack import Stack, pool_config, serve, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+TTL_S = 2.0
+
+
+def joined(url: str, host_id: str, demo_dir: Path) -> dict:
+    return {
+        "redis_url": url,
+        "pools": {"small": pool_config(demo_dir, min_replicas=2, max_replicas=2)},
+        "cascade": {"enabled": False},
+        "fleet": {"join": True, "host_id": host_id, "lease_ttl_s": TTL_S},
+    }
+
+
+def fleet_view(stack: Stack) -> dict:
+    return stack.admin("/admin/fleet")["small"]["fleet"]
+
+
+def chat(stack: Stack, key: str) -> httpx.Response:
+    body = {"model": "small", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    return httpx.post(
+        f"{stack.url}/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {key}"},
+        timeout=30,
+    )
+
+
+def desired_on_metrics(stack: Stack) -> float | None:
+    text = httpx.get(f"{stack.url}/metrics", timeout=5).text
+    found = re.search(r'^switchyard_autoscaler_desired_replicas\{pool="small"\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else None
+
+
+def test_one_leader_scales_the_pool_for_two_hosts_and_a_dead_leader_is_replaced(
+    tmp_path: Path, demo_dir: Path
+) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with redis_url() as url, serve(tmp_path / "a", joined(url, "a", demo_dir), 120) as a:
+        key = a.exports()["OPENAI_API_KEY"]  # the demo tenant, in the shared Redis
+        view = fleet_view(a)
+        assert view["leader"] and view["desired_replicas"] == 2
+        assert len(a.replicas("small")) == 2  # the only host: both replicas placed here
+        with serve(tmp_path / "b", joined(url, "b", demo_dir), 120) as b:
+            assert fleet_view(b)["leader"] is False
+            assert b.replicas("small") == []  # the fleet had its 2: b was ordered none
+            assert fleet_view(b)["hosts"] == {"a": ["small-0", "small-1"], "b": []}
+            r = chat(b, key)  # through b's gateway to a's workers (membership in Redis)
+            assert r.status_code == 200, r.text
+            assert desired_on_metrics(a) == desired_on_metrics(b) == 2.0
+
+            a.proc.send_signal(signal.SIGKILL)  # host a dies: no release, no withdrawal
+            a.proc.wait(10)
+            killed_at = time.monotonic()
+            wait_for(lambda: fleet_view(b)["leader"], TTL_S + 10, "b to take the lease")
+            took_s = time.monotonic() - killed_at
+            # Within the lease's ttl of a's last renewal, plus b's tick and admin polls.
+            assert took_s <= TTL_S + 3.0, took_s
+
+            def back_to_two() -> bool:
+                replicas = b.replicas("small")
+                assert len(replicas) <= 2  # max_replicas holds for the fleet
+                return sum(r["state"] == "ready" for r in replicas) == 2
+
+            wait_for(back_to_two, 120, "b's own 2 replicas ready")
+            view = fleet_view(b)
+            assert view["hosts"] == {"b": ["small-0", "small-1"]}  # a's record lapsed
+            assert view["orders_refused"] == 0
+            assert chat(b, key).status_code == 200
+            assert desired_on_metrics(b) == 2.0
