@@ -2,7 +2,9 @@
 
 import json
 import logging
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -10,6 +12,9 @@ from safetensors import safe_open
 from workers.errors import CheckpointError
 from workers.models.model_config import ModelConfig
 from workers.runner.model import LayerWeights, ModelWeights
+
+if TYPE_CHECKING:
+    from workers.runner.quant import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -67,24 +72,53 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+def read_tensors(
+    model_dir: Path, skip: Callable[[str], bool] = lambda name: False
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint but those `skip` names."""
     tensors: dict[str, torch.Tensor] = {}
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                tensors[name] = f.get_tensor(name)
+                if not skip(name):
+                    tensors[name] = f.get_tensor(name)
     return tensors
 
 
+_LINEAR_SUFFIXES = tuple(
+    f".{m}.weight"
+    for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+)
+
+
+def is_linear_matrix(name: str) -> bool:
+    """Whether checkpoint tensor `name` is one of the linear matrices quantization replaces
+    (a layer's projections, the untied LM head)."""
+    return name == "lm_head.weight" or (
+        name.startswith("model.layers.") and name.endswith(_LINEAR_SUFFIXES)
+    )
+
+
 def load_weights(
-    cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device
+    cfg: ModelConfig,
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    as_stored: bool = False,
+    quantized: Mapping[str, "QuantizedWeight"] | None = None,
 ) -> ModelWeights:
-    """Read, check shapes, fuse q/k/v and gate/up, cast and move to the device."""
-    raw = read_tensors(model_dir)
+    """Read, check shapes, fuse q/k/v and gate/up, cast and move to the device.
+
+    `as_stored`: the linear matrices (the LM head too, tied or not) keep the checkpoint's
+    dtype, to be quantized from the values stored rather than from them rounded to `dtype`
+    first. `quantized`: the linear matrices, already quantized (`quant_files.load`, by
+    `matrix_shapes` name); their float tensors are not read."""
+    raw = read_tensors(model_dir, is_linear_matrix if quantized is not None else lambda n: False)
     hidden, inter, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q_size, kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
 
-    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def take(name: str, shape: tuple[int, ...], linear: bool = False) -> torch.Tensor:
         t = raw.get(name)
         if t is None:
             raise CheckpointError(
@@ -94,17 +128,23 @@ def load_weights(
             raise CheckpointError(
                 f"{model_dir}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}"
             )
-        return t.to(device=device, dtype=dtype)
+        return t.to(device=device, dtype=None if linear and as_stored else dtype)
+
+    def matrix(name: str, parts: list[tuple[str, tuple[int, int]]]) -> torch.Tensor:
+        if quantized is not None:
+            return quantized[name]  # type: ignore[return-value]  # held where tensors are
+        return torch.cat([take(p, shape, linear=True) for p, shape in parts])
 
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        qkv = torch.cat(
+        qkv = matrix(
+            f"layers.{i}.qkv",
             [
-                take(p + "self_attn.q_proj.weight", (q_size, hidden)),
-                take(p + "self_attn.k_proj.weight", (kv_size, hidden)),
-                take(p + "self_attn.v_proj.weight", (kv_size, hidden)),
-            ]
+                (p + "self_attn.q_proj.weight", (q_size, hidden)),
+                (p + "self_attn.k_proj.weight", (kv_size, hidden)),
+                (p + "self_attn.v_proj.weight", (kv_size, hidden)),
+            ],
         )
         bias = None
         if cfg.qkv_bias:
@@ -122,24 +162,30 @@ def load_weights(
                 qkv_bias=bias,
                 q_norm=take(p + "self_attn.q_norm.weight", (hd,)) if cfg.qk_norm else None,
                 k_norm=take(p + "self_attn.k_norm.weight", (hd,)) if cfg.qk_norm else None,
-                o=take(p + "self_attn.o_proj.weight", (hidden, q_size)),
+                o=matrix(f"layers.{i}.o", [(p + "self_attn.o_proj.weight", (hidden, q_size))]),
                 post_norm=take(p + "post_attention_layernorm.weight", (hidden,)),
-                gate_up=torch.cat(
+                gate_up=matrix(
+                    f"layers.{i}.gate_up",
                     [
-                        take(p + "mlp.gate_proj.weight", (inter, hidden)),
-                        take(p + "mlp.up_proj.weight", (inter, hidden)),
-                    ]
+                        (p + "mlp.gate_proj.weight", (inter, hidden)),
+                        (p + "mlp.up_proj.weight", (inter, hidden)),
+                    ],
                 ),
-                down=take(p + "mlp.down_proj.weight", (hidden, inter)),
+                down=matrix(f"layers.{i}.down", [(p + "mlp.down_proj.weight", (hidden, inter))]),
             )
         )
-    embed = take("model.embed_tokens.weight", (cfg.vocab_size, hidden))
-    if cfg.tie_word_embeddings or "lm_head.weight" not in raw:
+    embed_shape = (cfg.vocab_size, hidden)
+    embed = take("model.embed_tokens.weight", embed_shape)
+    if quantized is not None:
+        lm_head = matrix("lm_head", [])
+    elif cfg.tie_word_embeddings or "lm_head.weight" not in raw:
         if not cfg.tie_word_embeddings:
             raise CheckpointError(f"{model_dir}: tensor 'lm_head.weight' is missing")
-        lm_head = embed
+        lm_head = (
+            take("model.embed_tokens.weight", embed_shape, linear=True) if as_stored else embed
+        )
     else:
-        lm_head = take("lm_head.weight", (cfg.vocab_size, hidden))
+        lm_head = take("lm_head.weight", embed_shape, linear=True)
     return ModelWeights(
         embed=embed, layers=layers, norm=take("model.norm.weight", (hidden,)), lm_head=lm_head
     )

@@ -43,9 +43,13 @@ class ModelWeights:
         mats = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         return mats + [self.lm_head]
 
-    def num_parameters(self) -> int:
+    def num_parameters(self, tied: bool | None = None) -> int:
+        """`tied`: the LM head is the embedding table (held apart when quantized, or kept
+        in the checkpoint's dtype to be); None: when the two share memory."""
+        if tied is None:
+            tied = self.lm_head.data_ptr() == self.embed.data_ptr()
         tensors = [self.embed, self.norm]
-        if self.lm_head.data_ptr() != self.embed.data_ptr():
+        if not tied:
             tensors.append(self.lm_head)
         for layer in self.layers:
             tensors += [t for t in vars(layer).values() if t is not None]

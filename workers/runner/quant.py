@@ -196,9 +196,18 @@ def quantize_weights(
 ) -> "ModelWeights":
     """Every linear matrix quantized to `kind` (the LM head to int8), in `kernel`'s tiles
     where it runs and takes the shape; an MLP's gate_up in tile pairs for the fused
-    SiLU pass where its halves fit them. Embeddings, norms and biases as they are."""
+    SiLU pass where its halves fit them. Embeddings, norms and biases as they are. A
+    matrix that is a QuantizedWeight already (read from a pre-quantized file,
+    `quant_files`) only goes into the tiles."""
 
     def one(w: torch.Tensor, gated: bool = False, as_kind: str = kind) -> QuantizedWeight:
+        if isinstance(w, QuantizedWeight):
+            if w.kind != as_kind:
+                raise ValueError(f"a pre-quantized {w.kind} matrix where {as_kind} is served")
+            if kernel is None:
+                return w
+            qw = to_tiles(w, kernel, gated)
+            return to_tiles(w, kernel) if gated and not qw.tiled else qw
         if kernel is None:
             return quantize(w, as_kind)
         qw = quantize_tiles(w, as_kind, kernel, gated)

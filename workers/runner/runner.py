@@ -13,7 +13,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.outputs import TokenLogprobs
 from workers.engine.request import Request
 from workers.models.model_config import ModelConfig, load_model_config
-from workers.runner import kv_int8, native
+from workers.runner import kv_int8, native, quant_files
 from workers.runner.attention import AttentionMetadata, PrefillSeq
 from workers.runner.decode_graphs import DecodeGraphs
 from workers.runner.decode_workspace import DecodeWorkspace
@@ -88,7 +88,9 @@ class ModelRunner:
         self.max_model_len = plan_max_model_len(config.max_model_len, self.model_config.max_context)
         native_cpu = uses_native_kernels(config.native_kernels, self.device, self.dtype)
         cfg, weights = self._load_weights(model_dir)
-        self.num_parameters = weights.num_parameters()
+        self.num_parameters = weights.num_parameters(
+            cfg.tie_word_embeddings if shard is None else None
+        )
         self.model = self._build_model(cfg, weights, native_cpu)
         self.block_size = config.block_size
         self.kv_int8 = config.kv_cache_dtype == "int8"
@@ -111,8 +113,22 @@ class ModelRunner:
         model's, or with a shard this rank's share (`self.model_config` stays the whole
         model's)."""
         cfg = self.model_config
+        kind = self.config.quantization
+        # where the quantized linear weights come from (the load log says): None = float
+        self.quantized_from: str | None = None if kind == "none" else "quantized at load"
         if self.shard is None:
-            return cfg, load_weights(cfg, model_dir, self.dtype, self.device)
+            pre = None if kind == "none" else quant_files.load(model_dir, kind, cfg, self.device)
+            if pre is not None:
+                self.quantized_from = f"read from {pre.path} ({pre.origin})"
+            weights = load_weights(
+                cfg,
+                model_dir,
+                self.dtype,
+                self.device,
+                as_stored=kind != "none",
+                quantized=None if pre is None else pre.matrices,
+            )
+            return cfg, weights
         weights = self.shard.load_weights(cfg, model_dir, self.dtype, self.device)
         return self.shard.local_config(cfg), weights
 
@@ -268,6 +284,8 @@ class ModelRunner:
             num_slots * self.kv_bytes_per_token / 2**30,
             "int8 and a bf16 scale per row" if self.kv_int8 else self.config.dtype,
         )
+        if self.quantized_from is not None:
+            log.info("%s linear weights %s", self.config.quantization, self.quantized_from)
         if self.graphs is not None:
             log.info(
                 "decode graphs: %s, batch buckets %s, context buckets %s",
