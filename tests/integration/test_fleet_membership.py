@@ -122,6 +122,15 @@ def announce(redis_url: str, record: MemberRecord, ttl_s: float) -> None:
     asyncio.run(main())
 
 
+def exit_status(worker: JoinedWorker, log: Path, timeout_s: float) -> int:
+    """The worker's exit status; AssertionError with its log's tail if it runs on."""
+    try:
+        return worker.proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        tail = log.read_text(errors="replace").splitlines()[-20:]
+        raise AssertionError(f"{worker.url} still running:\n" + "\n".join(tail)) from None
+
+
 def member_state(redis_url: str, url: str) -> str | None:
     """The state of the member at `url` in pool small as read now (None: no record)."""
 
@@ -202,8 +211,9 @@ def test_joined_workers_serve_through_two_gateways_and_leave_both_on_drain_and_o
         assert r.status_code == 200
         drained = removal_times(gws, w1.url, t0, TTL_S)
         print(f"\ndrain -> removed from the gateways' rotation: {[round(s, 3) for s in drained]} s")
-        assert w1.proc.wait(30) == 0
-        assert member_state(redis_url, w1.url) == "withdrawn"  # on its way out, before exiting
+        # Its tombstone lives a TTL from the withdrawal, the first step of its shutdown.
+        wait_for(lambda: member_state(redis_url, w1.url) == "withdrawn", 30, "w1 withdrawn")
+        assert exit_status(w1, tmp_path / "w1.log", 60) == 0
         for url, _ in fronts:  # the other worker serves both gateways alone
             assert chat(url, key).status_code == 200
         assert stray.total == 0
