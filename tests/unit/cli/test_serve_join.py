@@ -57,3 +57,22 @@ def test_the_desired_replicas_gauge_reads_the_autoscaler_at_scrape_time() -> Non
     desired["large"] = 1
     assert registry.get_sample_value(DESIRED_REPLICAS, {"pool": "small"}) == 5
     assert registry.get_sample_value(DESIRED_REPLICAS, {"pool": "large"}) == 1
+
+
+def test_workers_listen_and_are_reached_on_the_fleet_worker_host(tmp_path: Path) -> None:
+    from cli.serve.stack import RunOptions, worker_launches
+    from workers.fleet.supervisor import Replica
+
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump({"fleet": {"worker_host": "0.0.0.0"}}))
+    with pytest.raises(SystemExit, match="fleet.worker_host must be an address"):
+        load_serve_config(path)
+    cfg = ServeConfig()
+    cfg.fleet.worker_host = "10.0.0.2"
+    launches = worker_launches(cfg, {"small": tmp_path}, tmp_path / "run", RunOptions(None))
+    argv = launches["small"].argv(8101)
+    assert argv[argv.index("--host") + 1] == "10.0.0.2"
+    assert launches["small"].host == "10.0.0.2"
+    replica = Replica("small-0", "small", 0.0, port=8101, host=launches["small"].host)
+    assert replica.url == "http://10.0.0.2:8101"
+    assert Replica("small-1", "small", 0.0, port=8102, host="::1").url == "http://[::1]:8102"
