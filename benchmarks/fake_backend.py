@@ -15,12 +15,15 @@ load on `/metrics` under vLLM's names and its context length on `/v1/models`;
 `flavour="ollama"` for an Ollama server (`/api/version`, `/api/ps` with nothing loaded). `api_key`
 makes every request without `Authorization: Bearer <api_key>` a 401, as a hosted API.
 
-Run alone: `python -m benchmarks.fake_backend --port 8101`.
+Run alone: `python -m benchmarks.fake_backend --port 8101`; with `--join REDIS_URL --pool NAME`
+it also announces itself as a pool member in the fleet's Redis, as `switchyard worker --join`
+does (heartbeats with a TTL, withdrawn on exit), for gateways that take members from there.
 """
 
 import argparse
 import asyncio
 import json
+import signal
 import time
 from collections import deque
 from typing import Any
@@ -340,16 +343,68 @@ async def _json(send, status: int, obj: Any, headers: dict[str, str] | None = No
     await send({"type": "http.response.body", "body": raw})
 
 
+FAKE_FINGERPRINT = "fake-backend"  # the model identity a joined fake backend announces
+
+
+async def _serve_joined(app: FakeBackend, args: argparse.Namespace) -> None:
+    """Serve `app` and keep it a member of `args.pool` in the fleet's Redis (as `switchyard
+    worker --join` does) until stopped; withdraw on the way out (SIGINT/SIGTERM)."""
+    import uvicorn
+
+    from workers.api.membership import MemberRecord, check_url, member_id_for
+    from workers.api.membership_store import MembershipStore, membership_redis
+    from workers.fleet.announcer import Announcer, default_host_id, started_at
+
+    url = check_url(args.advertise_url or f"http://{args.host}:{args.port}")
+    host_id = args.host_id or default_host_id()
+    since = started_at()
+
+    def describe() -> MemberRecord:
+        return MemberRecord(
+            pool=args.pool,
+            member_id=member_id_for(url),
+            url=url,
+            model=app.name,
+            fingerprint=FAKE_FINGERPRINT,
+            host_id=host_id,
+            state="ready" if app.state == "ready" else "draining",
+            started_at=since,
+        )
+
+    client = membership_redis(args.join)
+    announcer = Announcer(MembershipStore(client), args.join_ttl)
+    announcer.add(describe)
+    announcer.start()
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    server = uvicorn.Server(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # stop serving, then withdraw below
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    try:
+        await server.serve()
+    finally:
+        await announcer.close()
+        await client.aclose()
+
+
 def main() -> None:
     import uvicorn
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8101)
     ap.add_argument("--token-delay-s", type=float, default=0.0)
+    ap.add_argument("--join", metavar="REDIS_URL", help="announce it in the fleet's Redis")
+    ap.add_argument("--pool", default="small", help="with --join: the pool it joins")
+    ap.add_argument("--advertise-url", help="with --join: default http://HOST:PORT")
+    ap.add_argument("--host-id", help="with --join: default the hostname")
+    ap.add_argument("--join-ttl", type=float, default=6.0, help="with --join: heartbeat TTL")
     args = ap.parse_args()
-    uvicorn.run(
-        FakeBackend(args.token_delay_s), host="127.0.0.1", port=args.port, log_level="warning"
-    )
+    app = FakeBackend(args.token_delay_s)
+    if args.join:
+        asyncio.run(_serve_joined(app, args))
+        return
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -187,6 +187,20 @@ def _cmd_autoscale(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_multihost(args: argparse.Namespace) -> int:
+    from benchmarks.multihost_bench import MultiHostOptions, run_multihost_bench
+
+    opts = MultiHostOptions(
+        Path(args.out), quick=args.quick, trials=args.trials, ttl_s=args.ttl, poll_s=args.poll
+    )
+    try:
+        run_multihost_bench(opts)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _cmd_slo(args: argparse.Namespace) -> int:
     from benchmarks.slo.bench import run_slo_bench
     from benchmarks.slo.levels import ITL_RULES
@@ -302,6 +316,7 @@ ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
     "autoscale": _cmd_autoscale,
     "dtype": _cmd_dtype,
     "slo": _cmd_slo,
+    "multihost": _cmd_multihost,
 }
 
 
@@ -343,6 +358,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="instead of the scenarios: the engine over N ranks beside N = 1 (engine-tp report)",
     )
     be.add_argument("--device", default="cpu", help="with --tensor-parallel: cpu or cuda")
+    bm = bench.add_parser(
+        "multihost",
+        help="two gateways on two hosts (network namespaces; root) in front of workers on both",
+    )
+    bm.add_argument("--out", default="bench-results", help="where JSON and markdown go")
+    bm.add_argument("--quick", action="store_true", help="a small smoke run, not the real figures")
+    bm.add_argument("--trials", type=int, default=10, help="deaths of host B's backend")
+    bm.add_argument("--ttl", type=float, default=2.0, help="the members' heartbeat TTL, s")
+    bm.add_argument("--poll", type=float, default=0.5, help="the gateways' membership poll, s")
     bw = bench.add_parser("worker", help="worker over HTTP (streaming) vs the in-process engine")
     bw.add_argument("--out", default="bench-results", help="where JSON and markdown go")
     bw.add_argument("--num-requests", type=int, default=64)
