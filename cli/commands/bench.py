@@ -308,6 +308,7 @@ def _cmd_resume(args: argparse.Namespace) -> int:
 # The bench target (`args.target`) -> its handler.
 ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
     "engine": _cmd_engine,
+    "multihost": _cmd_multihost,
     "worker": _cmd_worker,
     "gateway": _cmd_gateway,
     "foreign": _cmd_foreign,
@@ -316,7 +317,6 @@ ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
     "autoscale": _cmd_autoscale,
     "dtype": _cmd_dtype,
     "slo": _cmd_slo,
-    "multihost": _cmd_multihost,
 }
 
 
