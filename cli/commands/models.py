@@ -114,6 +114,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
             print(f"  fetched:    no (switchyard models fetch {d['name']})")
         for dtype, c in d["converted"].items():
             print(f"  fetched:    {dtype}: {c['path']} ({_size(c['size_bytes'])})")
+            for kind, q in c["quantized"].items():
+                stale = f", stale: fetch --quantize {kind} again" if q["stale"] else ""
+                print(f"              pre-quantized {kind} ({_size(q['size_bytes'])}{stale})")
     return 0
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from workers.errors import ModelFetchError
+from workers.models.fingerprint import model_fingerprint
 from workers.models.registry import KNOWN_MODELS, ModelSpec, WheelPart
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,29 @@ class FetchedModel:
 
 def model_dir(models_dir: Path, spec: ModelSpec, dtype: str) -> Path:
     return models_dir / (spec.name if dtype == "float32" else f"{spec.name}-{dtype}")
+
+
+def quantized_dir(model_dir: Path) -> Path:
+    """Where the pre-quantized copies of a checkpoint's linear weights go (`fetch
+    --quantize`, `workers.runner.quant_files`): `<model_dir>.quantized/`, beside it, since
+    its fingerprint covers every weight file under it."""
+    model_dir = model_dir.resolve()
+    return model_dir.with_name(model_dir.name + ".quantized")
+
+
+def prequantized(model_dir: Path) -> dict[str, dict]:
+    """The pre-quantized copies beside `model_dir`, by kind: their size and whether they
+    still match the checkpoint (`stale`: the runner would not use them)."""
+    found = {}
+    for path in sorted(quantized_dir(model_dir).glob("*.json")):
+        try:
+            m = json.loads(path.read_text())
+            kind, size = str(m["kind"]), int(m["size_bytes"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        stale = m.get("checkpoint_fingerprint") != model_fingerprint(model_dir)
+        found[kind] = {"size_bytes": size, "stale": stale}
+    return found
 
 
 def read_manifest(path: Path) -> dict | None:
@@ -313,7 +337,11 @@ def describe(spec: ModelSpec, cache_dir: Path, models_dir: Path | None = None) -
         path = model_dir(models_dir, spec, dtype)
         if is_current(path, spec, dtype):
             size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-            converted[dtype] = {"path": str(path), "size_bytes": size}
+            converted[dtype] = {
+                "path": str(path),
+                "size_bytes": size,
+                "quantized": prequantized(path),
+            }
     wheels = [cache_dir / "wheels" / p.wheel for p in spec.parts]
     return {
         "name": spec.name,

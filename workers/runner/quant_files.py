@@ -29,6 +29,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from workers.models.fetch import quantized_dir
 from workers.models.fingerprint import model_fingerprint
 from workers.models.model_config import ModelConfig
 from workers.runner.quant import Q4_GROUP, QuantizedWeight
@@ -36,14 +37,6 @@ from workers.runner.quant import Q4_GROUP, QuantizedWeight
 log = logging.getLogger(__name__)
 
 LAYOUT = 1  # of the file; a change makes older files stale
-SUFFIX = ".quantized"
-LAYER_MATRICES = ("qkv", "o", "gate_up", "down")
-
-
-def quantized_dir(model_dir: Path) -> Path:
-    """Where the pre-quantized copies of `model_dir`'s weights go."""
-    model_dir = model_dir.resolve()
-    return model_dir.with_name(model_dir.name + SUFFIX)
 
 
 def matrix_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

