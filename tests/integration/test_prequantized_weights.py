@@ -142,6 +142,7 @@ def test_the_engine_from_fetched_files_computes_what_quantizing_at_load_does(
     assert manifest["kind"] == quantization and manifest["layout"] == quant_files.LAYOUT
     assert manifest["checkpoint_fingerprint"] == model_fingerprint(ckpt)
     assert manifest["size_bytes"] == weights.stat().st_size
+    assert weights.stat().st_mode & 0o777 == 0o644  # readable as the checkpoint is
 
     from_files = make_engine(ckpt, dtype, quantization)
     assert from_files.runner.quantized_from.startswith(f"read from {weights} (")

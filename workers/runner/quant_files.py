@@ -89,6 +89,7 @@ def save(
     manifest.unlink(missing_ok=True)  # the old file is stale from here on
     tmp = out / f".{kind}.safetensors.tmp-{os.getpid()}"
     save_file(stored, str(tmp), metadata={"kind": kind, "layout": str(LAYOUT)})
+    tmp.chmod(0o644)  # safetensors writes 0600; the checkpoint's other files are readable
     os.replace(tmp, weights)
     record = {
         "kind": kind,
