@@ -208,3 +208,19 @@ def test_fetch_refuses_a_bad_quantize_and_a_directory_without_one(llama_dir, tmp
     assert main(["models", "fetch", str(tmp_path), "--quantize", "q4"]) == 2
     assert "not a checkpoint directory (no config.json)" in capsys.readouterr().err
     assert not (tmp_path / "llama.quantized").exists()
+
+
+def test_a_tied_lm_head_and_qkv_biases_come_through_the_files(checkpoints, tmp_path):
+    """Qwen2 (LM head tied to the embedding, q/k/v biases): int8 of the embedding is the
+    file's LM head, the biases come from the checkpoint, and the engines agree."""
+    ckpt = tmp_path / "qwen2"
+    shutil.copytree(checkpoints["qwen2"], ckpt)
+    at_load = make_engine(ckpt, "bfloat16", "q4")
+    expected = greedy(at_load)
+    prequantize(ckpt, "q4", show_progress=False)
+    from_files = make_engine(ckpt, "bfloat16", "q4")
+    assert from_files.runner.quantized_from.startswith("read from")
+    float_model = make_engine(ckpt, "bfloat16", "none").runner
+    assert from_files.runner.num_parameters == at_load.runner.num_parameters
+    assert at_load.runner.num_parameters == float_model.num_parameters  # the head counted once
+    assert greedy(from_files) == expected
