@@ -123,6 +123,7 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
             await process_metrics.start()  # siblings may ask for this process's metrics
         poller = asyncio.ensure_future(_poll_loads(gw))
         members = asyncio.ensure_future(gw.membership.run()) if gw.membership else None
+        demand = asyncio.ensure_future(gw.demand.run()) if gw.demand else None
         stop = asyncio.Event()
         upkeep = asyncio.ensure_future(
             gw.maintenance.run_forever(gw.config.quota_sweep_interval_s, stop)
@@ -135,6 +136,9 @@ def create_gateway_app(gw: Gateway, process_metrics: ProcessMetrics | None = Non
             # Requests still running were cancelled by the server's grace period; their
             # flights closed their upstreams and scheduled their reconciles.
             poller.cancel()
+            if demand is not None:  # before membership's client closes: it withdraws
+                demand.cancel()
+                await asyncio.gather(demand, return_exceptions=True)
             if members is not None and gw.membership is not None:
                 members.cancel()
                 await asyncio.gather(members, return_exceptions=True)

@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 from gateway.billing.book import PriceBook
 from gateway.billing.budgets import BudgetWebhook, SpendView
 from gateway.billing.prices import prices_from_dict
+from gateway.capacity.demand import DemandPublisher
 from gateway.capacity.door import Gate
 from gateway.capacity.membership import MembershipWatcher
 from gateway.capacity.pool import Pool
@@ -66,6 +67,9 @@ class Gateway:
     fleet_status: "Callable[[], dict[str, Any]] | None" = None
     # Members announced in the fleet's Redis (gateway/capacity/membership.py); None: off.
     membership: MembershipWatcher | None = None
+    # This process's demand, published for the fleet's leader (capacity/demand.py); None:
+    # not published (membership off, or a serve host, whose host record carries it).
+    demand: DemandPublisher | None = None
     # Keys that authenticated recently (digest -> (caller, monotonic time)): taken without
     # a Redis lookup for `key_cache_ttl_s`, and while Redis is unreachable for
     # `known_key_ttl_s` (a known key keeps working through an outage, an unknown one never).

@@ -17,12 +17,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from cli.serve.announce import AnnouncedMembership
 from cli.serve.config import ServeConfig, autoscaler_config, lease_config
 from cli.serve.fleet import RATE_WINDOW_S, FleetLoop, pool_signals
 from cli.serve.fleet_metrics import export_desired_replicas
+from gateway.capacity.demand import member_loads
 from gateway.capacity.pool import Pool
 from gateway.gateway import Gateway
 from quota.connection import make_redis
+from workers.api.demand_store import DemandStore
+from workers.api.membership_store import MembershipStore
 from workers.fleet.autoscaler import Autoscaler, AutoscalerConfig
 from workers.fleet.coordination import FleetStore
 from workers.fleet.hosts import DeviceCount, HostRecord, PoolRecord, ReplicaRecord
@@ -39,9 +43,11 @@ def host_record(
     supervisor: LocalSupervisor,
     now_s: float,
     window_s: float = RATE_WINDOW_S,
+    announcer: str = "",
 ) -> HostRecord:
     """This host now: its devices (total and free per kind) and, per pool, its replicas,
-    the room its free devices have, and its gateway's demand."""
+    the room its free devices have, and its gateway's demand and view of the members'
+    load; `announcer`: who announces its replicas in the membership store ("" if none)."""
     records = {}
     for name, pool in pools.items():
         s = pool_signals(pool, supervisor, window_s)
@@ -53,13 +59,14 @@ def host_record(
             arrivals_per_s=s.arrivals_per_s,
             mean_service_s=s.mean_service_s,
             ttft_p90_s=s.ttft_p90_s,
+            members=member_loads(pool),
         )
     devices = {}
     inventory = supervisor.inventory
     if inventory is not None:
         for kind in inventory.to_dict():
             devices[kind] = DeviceCount(inventory.total(kind), len(inventory.free(kind)))  # type: ignore[arg-type]
-    return HostRecord(host_id=host_id, devices=devices, pools=records)
+    return HostRecord(host_id=host_id, devices=devices, pools=records, announcer=announcer)
 
 
 class JoinedFleetLoop:
@@ -76,6 +83,8 @@ class JoinedFleetLoop:
         interval_s: float = 1.0,
         rate_window_s: float = RATE_WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
+        members: MembershipStore | None = None,
+        demand: DemandStore | None = None,
     ) -> None:
         self.pools = pools
         self.supervisor = supervisor
@@ -88,7 +97,11 @@ class JoinedFleetLoop:
         holder = LeaseHolder(lease, f"{host_id}:{os.getpid()}:{os.urandom(3).hex()}")
         self.keeper = LeaseKeeper(store, holder, clock)
         self.agent = HostAgent(store, host_id, supervisor)
-        self.leader = FleetLeader(store, self.keeper, configs, clock)
+        self.leader = FleetLeader(store, self.keeper, configs, clock, members, demand)
+        membership = supervisor.membership
+        self.announcer = (
+            membership.announcer.announcer_id if isinstance(membership, AnnouncedMembership) else ""
+        )
         self.record_ttl_ms = lease.ttl_ms
         self.desired: dict[str, int] = {}  # the leader's, as last read (for /metrics)
         self.hosts: list[HostRecord] = []  # every host's record, as last read
@@ -115,7 +128,12 @@ class JoinedFleetLoop:
             return
         await self.agent.take_orders()
         record = host_record(
-            self.host_id, self.pools, self.supervisor, self.clock(), self.rate_window_s
+            self.host_id,
+            self.pools,
+            self.supervisor,
+            self.clock(),
+            self.rate_window_s,
+            self.announcer,
         )
         await self.agent.write_record(record, self.record_ttl_ms)
         await self.leader.step()
@@ -193,7 +211,8 @@ def make_fleet_loop(
     if cfg.fleet.join:
         host_id = cfg.fleet.host_id
         assert host_id is not None, "join_fleet fills it"
-        store = FleetStore(make_redis(redis_url, max_connections=4, retries=1))
+        client = make_redis(redis_url, max_connections=4, retries=1)
+        store = FleetStore(client)
         fleet = JoinedFleetLoop(
             gw.pools,
             supervisor,
@@ -203,6 +222,10 @@ def make_fleet_loop(
             lease_config(cfg),
             cfg.fleet.interval_s,
             cfg.fleet.rate_window_s,
+            # Members and plain gateways' demand in the fleet's Redis (one Redis: the
+            # members join it, the gateways read members from it).
+            members=MembershipStore(client),
+            demand=DemandStore(client),
         )
     else:
         autoscaler = Autoscaler(fleet_configs(cfg)) if cfg.fleet.autoscale else None

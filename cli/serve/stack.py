@@ -352,6 +352,7 @@ class Stack:
             membership = announced
             if gw.membership is not None:
                 gw.membership.skip_announcer = announced.announcer.announcer_id
+        gw.demand = None  # this host's record (serve --join) carries its demand
         supervisor = LocalSupervisor(
             {name: launches[name] for name in cfg.pools},
             probe,

@@ -13,6 +13,7 @@ from litestar import Litestar
 from prometheus_client import CollectorRegistry
 
 from gateway.app import create_gateway_app
+from gateway.capacity.demand import DemandPublisher
 from gateway.capacity.door import Gate
 from gateway.capacity.fair_queue import QueueConfig
 from gateway.capacity.flaps import FlapPolicy
@@ -40,6 +41,7 @@ from quota.store import TenantStore
 from quota.sweeper import QuotaMaintenance, new_owner_id
 from quota.usage import UsageConfig, UsageReader
 from workers.api.client import WorkerClient
+from workers.api.demand_store import DemandStore
 from workers.api.membership_store import MembershipStore, membership_redis
 from workers.api.upstreams.registry import adapter_for
 
@@ -151,10 +153,18 @@ def build_gateway(
             window_s=config.door_window_s,
         )
     membership = None
+    demand = None
     if config.membership.enabled:
         members_redis = membership_redis(config.membership.redis_url or redis_url)
         membership = MembershipWatcher(
             MembershipStore(members_redis), pools, config.membership, registry
+        )
+        # The fleet's leader reads it (workers.api.demand); the same Redis as membership.
+        demand = DemandPublisher(
+            DemandStore(members_redis),
+            {n: pools[n] for n in membership.watched},
+            interval_s=config.membership.poll_s,
+            ttl_s=max(config.membership.ttl_s, 3 * config.membership.poll_s),
         )
         log.info(
             "pools %s take members from the fleet's Redis (gone within %g s of a death)",
@@ -163,6 +173,7 @@ def build_gateway(
         )
     return Gateway(
         membership=membership,
+        demand=demand,
         router=router,
         usage=UsageReader(redis, usage),
         learner=learner,

@@ -16,6 +16,7 @@ import re
 
 import msgspec
 
+from workers.api.demand import MemberLoad
 from workers.fleet.signals import ReplicaSignals, ReplicaState
 
 _HOST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
@@ -67,6 +68,9 @@ class PoolRecord(msgspec.Struct, frozen=True):
     arrivals_per_s: float | None = None  # offered to this host's gateway
     mean_service_s: float | None = None
     ttft_p90_s: float | None = None
+    # The load this host's gateway sees on the pool's members that joined from elsewhere
+    # (URL -> load): the leader's metrics for members no supervisor polls.
+    members: dict[str, MemberLoad] = {}
 
 
 class DeviceCount(msgspec.Struct, frozen=True):
@@ -82,6 +86,10 @@ class HostRecord(msgspec.Struct, frozen=True):
     # the leader's orders above it are still in flight.
     last_order_seq: int = 0
     written_at_ms: int = 0  # Redis server time of the write (the store stamps it)
+    # Who announces this host's replicas in the membership store (`MemberRecord.announcer`;
+    # empty: they are not announced): the leader counts those members once, as this
+    # host's replicas, and every other live member as a replica no supervisor runs.
+    announcer: str = ""
 
 
 class Order(msgspec.Struct, frozen=True):

@@ -7,8 +7,10 @@ Every host's supervisor (`switchyard serve --join`) runs all three:
   the newest leader on its `Actuator` (the local supervisor) and refuses the others, then
   writes the host's record (devices, replicas, demand, the last order seq it took).
 - `FleetLeader`: while this host holds the lease, once a tick reads every host's record,
-  decides per pool with the `Autoscaler` on the fleet-wide signals, places new replicas on
-  hosts with free devices, and writes the orders with its fencing token.
+  the pools' members and the plain gateways' demand reports, decides per pool with the
+  `Autoscaler` on the fleet-wide signals (`workers.fleet.placement`: members no host runs
+  count as replicas), places new replicas on hosts with free devices, and writes the
+  orders with its fencing token and the desired counts it publishes.
 
 A new leader decides only from records written after it took the lease: by then every
 host has taken (or, token stale, refused) every order of the leader before it, and its
@@ -20,6 +22,12 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
+
+from workers.api.demand import GatewayDemand
+from workers.api.demand_store import DemandStore
+from workers.api.membership import PoolMembers
+from workers.api.membership_store import MembershipStore
 from workers.fleet.actuator import Actuator
 from workers.fleet.autoscaler import Autoscaler, AutoscalerConfig, Decision
 from workers.fleet.coordination import FleetStore
@@ -161,11 +169,8 @@ class HostAgent:
 
     async def write_record(self, record: HostRecord, ttl_ms: int) -> None:
         """Write this host's record, stamped with the last order seq it took."""
-        stamped = HostRecord(
-            host_id=self.host_id,
-            devices=record.devices,
-            pools=record.pools,
-            last_order_seq=self.last_order_seq,
+        stamped = msgspec.structs.replace(
+            record, host_id=self.host_id, last_order_seq=self.last_order_seq
         )
         await self.store.write_host(stamped, ttl_ms)
 
@@ -179,11 +184,19 @@ class FleetLeader:
         keeper: LeaseKeeper,
         configs: dict[str, AutoscalerConfig],
         clock: Callable[[], float] = time.monotonic,
+        members: MembershipStore | None = None,
+        demand: DemandStore | None = None,
     ) -> None:
         self.store = store
         self.keeper = keeper
         self.configs = configs
         self.clock = clock
+        # The pools' members (those no host runs count as replicas) and the plain
+        # gateways' demand reports; None: host records only.
+        self.members = members
+        self.demand = demand
+        self.last_members: dict[str, PoolMembers] = {}
+        self.last_demand: list[GatewayDemand] = []
         self.autoscaler = Autoscaler(configs)
         self.pending = PendingOrders()
         self.tenure_token: int | None = None
@@ -213,7 +226,10 @@ class FleetLeader:
         if self.waiting_for:
             return []
         self.pending.settle(hosts)
-        decisions = [self._decide(pool, hosts, now, holder.tenure_s(now)) for pool in self.configs]
+        pools = list(self.configs)
+        self.last_members = await self.members.read(pools) if self.members else {}
+        self.last_demand = await self.demand.read() if self.demand else []
+        decisions = [self._decide(pool, hosts, now, holder.tenure_s(now)) for pool in pools]
         orders = [
             o for d in decisions if d is not None for o in plan_orders(d, hosts, self.pending)
         ]
@@ -237,7 +253,9 @@ class FleetLeader:
     ) -> Decision | None:
         if not any(pool in h.pools for h in hosts):
             return None  # no host runs it (yet)
-        signals = fleet_signals(pool, hosts, self.pending, now)
+        signals = fleet_signals(
+            pool, hosts, self.pending, now, self.last_members.get(pool), self.last_demand
+        )
         self.last_signals[pool] = signals
         decision = self.autoscaler.decide(signals, now)
         if tenure_s < self.configs[pool].scale_down_window_s:

@@ -8,17 +8,35 @@ its order travels. `plan_orders` turns its `Decision` into one `Order` per host:
 the hosts that run the victims, starts placed by `place_starts` on hosts with free devices.
 
 A fleet-wide replica id is `<host id>/<the host's replica id>`.
+
+Members no supervisor of the fleet runs (`switchyard worker --join`, Kubernetes worker
+pods) are replicas too: every live member of the pool's membership whose announcer is no
+host's (`HostRecord.announcer`) counts, as `member/<member id>`, toward the pool's replicas
+and so toward max_replicas; its load is what the gateways last saw on its /load. The leader
+cannot start or drain them (whatever runs them scales on the desired count it publishes),
+so its orders never name them, and a pool that has any is not bounded by the hosts' free
+devices: its desired count may exceed what the hosts can place, the rest being for that
+outside actuator. Plain gateways' demand reports (`workers.api.demand`) add to the hosts'.
 """
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from workers.api.demand import GatewayDemand, MemberLoad
+from workers.api.membership import MemberRecord, PoolMembers
 from workers.fleet.autoscaler import Decision, plan_change
 from workers.fleet.hosts import HostRecord, Order, PoolRecord
-from workers.fleet.signals import PoolSignals, ReplicaSignals
+from workers.fleet.signals import PoolSignals, ReplicaSignals, ReplicaState
 
 PENDING = "pending"  # the host part of an id standing for a start still in flight
+MEMBER = "member"  # the host part of the id of a member no supervisor of the fleet runs
+_MEMBER_STATES: dict[str, ReplicaState] = {
+    "starting": "starting",
+    "ready": "ready",
+    "draining": "draining",
+}
 
 
 def fleet_id(host_id: str, replica_id: str) -> str:
@@ -67,10 +85,95 @@ def _max(values: list[float | None]) -> float | None:
     return max(known) if known else None
 
 
+class Demand(Protocol):
+    """What a host record and a gateway's report both say of a pool's demand."""
+
+    @property
+    def queue_depth(self) -> int | None: ...
+    @property
+    def estimated_wait_s(self) -> float | None: ...
+    @property
+    def arrivals_per_s(self) -> float | None: ...
+    @property
+    def mean_service_s(self) -> float | None: ...
+    @property
+    def ttft_p90_s(self) -> float | None: ...
+
+
+def unsupervised_members(
+    members: PoolMembers | None, hosts: list[HostRecord]
+) -> list[MemberRecord]:
+    """The pool's live members that no host in `hosts` runs: not withdrawn, not announced
+    by a host's announcer, and of the pool's model (a refused member is no replica)."""
+    if members is None:
+        return []
+    announcers = {h.announcer for h in hosts if h.announcer}
+    out = []
+    for live in members.members:
+        record = live.record
+        if record.state not in _MEMBER_STATES or record.announcer in announcers:
+            continue
+        if members.fingerprint is not None and record.fingerprint != members.fingerprint:
+            continue
+        out.append(record)
+    return out
+
+
+def merged_loads(
+    pool: str, hosts: list[HostRecord], demand: Sequence[GatewayDemand]
+) -> dict[str, MemberLoad]:
+    """Per member URL, the busiest load any gateway (a host's or a plain one) reports: a
+    report with numbers over one without, then the most running, then the most KV used
+    (reports differ only by when each gateway polled)."""
+    reports = [h.pools[pool].members for h in hosts if pool in h.pools]
+    reports += [g.pools[pool].members for g in demand if pool in g.pools]
+    best: dict[str, MemberLoad] = {}
+    for report in reports:
+        for url, load in report.items():
+            have = best.get(url)
+            if have is None or _busier(load, have):
+                best[url] = load
+    return best
+
+
+def _busier(a: MemberLoad, b: MemberLoad) -> bool:
+    def key(x: MemberLoad) -> tuple[bool, int, int]:
+        return (x.num_running is not None, x.num_running or 0, x.kv_used_tokens or 0)
+
+    return key(a) > key(b)
+
+
+def member_replicas(
+    records: list[MemberRecord], loads: dict[str, MemberLoad], now_s: float
+) -> list[ReplicaSignals]:
+    out = []
+    for record in records:
+        load = loads.get(record.url)
+        measured = load is not None and load.num_running is not None
+        out.append(
+            ReplicaSignals(
+                replica_id=fleet_id(MEMBER, record.member_id),
+                state=_MEMBER_STATES[record.state],
+                ordered_at_s=now_s,
+                num_running=load.num_running if measured and load else None,
+                num_waiting=load.num_waiting if measured and load else None,
+                kv_used_tokens=(load.kv_used_tokens or 0) if measured and load else None,
+                kv_total_tokens=load.kv_total_tokens if load else None,
+            )
+        )
+    return out
+
+
 def fleet_signals(
-    pool: str, hosts: list[HostRecord], pending: PendingOrders, now_s: float
+    pool: str,
+    hosts: list[HostRecord],
+    pending: PendingOrders,
+    now_s: float,
+    members: PoolMembers | None = None,
+    demand: Sequence[GatewayDemand] = (),
 ) -> PoolSignals:
-    """The pool across every host in `hosts`, with `pending` orders applied."""
+    """The pool across every host in `hosts`, with `pending` orders applied, the live
+    `members` no host runs counted as replicas, and the plain gateways' `demand` added."""
     parts = [(h.host_id, h.pools[pool]) for h in hosts if pool in h.pools]
     in_flight = pending.for_pool(pool)
     draining = {fleet_id(o.order.host_id, r) for o in in_flight for r in o.order.drain}
@@ -93,15 +196,20 @@ def fleet_signals(
         for i in range(sent.order.num_start):
             rid = fleet_id(PENDING, f"{sent.order.host_id}-{sent.seq}-{i}")
             replicas.append(ReplicaSignals(replica_id=rid, state="starting", ordered_at_s=now_s))
+    outside = unsupervised_members(members, hosts)
+    replicas += member_replicas(outside, merged_loads(pool, hosts, demand), now_s)
+    sources: list[Demand] = [p for _, p in parts]
+    sources += [g.pools[pool] for g in demand if pool in g.pools]
     return PoolSignals(
         pool=pool,
         replicas=tuple(replicas),
-        queue_depth=_int(_sum([p.queue_depth for _, p in parts])),
-        estimated_wait_s=_max([p.estimated_wait_s for _, p in parts]),
-        arrivals_per_s=_sum([p.arrivals_per_s for _, p in parts]),
-        mean_service_s=_mean_service_s([p for _, p in parts]),
-        ttft_p90_s=_max([p.ttft_p90_s for _, p in parts]),
-        startable=_startable(parts, in_flight),
+        queue_depth=_int(_sum([p.queue_depth for p in sources])),
+        estimated_wait_s=_max([p.estimated_wait_s for p in sources]),
+        arrivals_per_s=_sum([p.arrivals_per_s for p in sources]),
+        mean_service_s=_mean_service_s(sources),
+        ttft_p90_s=_max([p.ttft_p90_s for p in sources]),
+        # Members run by something else: that actuator, not the hosts' devices, bounds them.
+        startable=None if outside else _startable(parts, in_flight),
     )
 
 
@@ -109,8 +217,8 @@ def _int(value: float | None) -> int | None:
     return None if value is None else int(value)
 
 
-def _mean_service_s(parts: list[PoolRecord]) -> float | None:
-    """Weighted by each host's arrivals (a host with none yet weighs 1 in a plain mean)."""
+def _mean_service_s(parts: Sequence[Demand]) -> float | None:
+    """Weighted by each source's arrivals (one with none yet weighs 1 in a plain mean)."""
     timed = [(p.mean_service_s, p.arrivals_per_s or 0.0) for p in parts if p.mean_service_s]
     if not timed:
         return None
@@ -175,7 +283,7 @@ def plan_orders(decision: Decision, hosts: list[HostRecord], pending: PendingOrd
     drains: dict[str, list[str]] = {}
     for rid in decision.drain:
         host, local = split_id(rid)
-        if host != PENDING:
+        if host not in (PENDING, MEMBER):  # a member no host runs: its own actuator
             drains.setdefault(host, []).append(local)
     parts = [(h.host_id, h.pools[decision.pool]) for h in hosts if decision.pool in h.pools]
     starts = place_starts(decision.num_start, host_rooms(parts, pending.for_pool(decision.pool)))
