@@ -84,6 +84,7 @@ class DemandPublisher:
     async def run(self) -> None:
         """Publish until cancelled; then withdraw the report (best effort: else it
         expires)."""
+        task = asyncio.current_task()
         try:
             while True:
                 try:
@@ -91,6 +92,8 @@ class DemandPublisher:
                 except Exception as exc:  # noqa: BLE001 (redis errors: try again next time)
                     self.num_failed += 1
                     log.warning("demand report not published (%r); trying again", exc)
+                if task is not None and task.cancelling():
+                    raise asyncio.CancelledError  # cancelled mid-call: the client ate it
                 await asyncio.sleep(self.interval_s)
         finally:
             try:
