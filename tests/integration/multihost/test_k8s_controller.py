@@ -1,8 +1,9 @@
 """The controller of deploy/kubernetes/controller.yaml, run with its own config and command
 line on one "pod" (host A, with the fleet's Redis) beside a worker pod joining the pool from
 host B: it starts, runs no worker of its own, routes to the joined pod, and exports on its
-/metrics the desired replica count the scalers read, which is what the README says it is
-today (the leader sees no replica and no demand in host records: min_replicas, 0)."""
+/metrics the desired replica count the scalers read: the leader counts the joined pod as
+one of the pool's replicas (no supervisor runs it), so the count is 1, not the pool's
+min_replicas of 0, as the README says; it orders no start on itself (no room)."""
 
 import os
 import subprocess
@@ -99,7 +100,9 @@ def test_the_controller_runs_no_worker_and_exports_the_desired_count(
                 return desired
             time.sleep(0.2)
 
-    assert hosts.a.call(desired_now) == {"small": 0.0}
+    # The joined pod is a replica of the pool: the floor (min_replicas 0) does not drain it
+    # (and a new leader drains nothing within its first scale-down window anyway).
+    assert hosts.a.call(desired_now) == {"small": 1.0}
 
     def fleet() -> dict:
         headers = {"authorization": f"Bearer {ADMIN_KEY}"}
@@ -107,6 +110,10 @@ def test_the_controller_runs_no_worker_and_exports_the_desired_count(
 
     small = hosts.a.call(fleet)["small"]
     assert small["replicas"] == []  # its supervisor runs nothing
+    assert small["fleet"]["leader"] is True
+    member = f"member/{hosts.b.address}:8100"  # the pod, counted by the leader
+    assert [r["replica_id"] for r in small["signals"]["replicas"]] == [member]
+    assert small["fleet"]["orders_applied"] == 0  # no start was ordered to it
     assert [w["url"] for w in small["workers"]] == [worker_url]  # the pod, from Redis
     # No worker process under the controller: only what serve itself needs, if anything.
     children = psutil.Process(controller.pid).children(recursive=True)
