@@ -124,7 +124,10 @@ def test_auto_cascades_across_engines_and_overflows_to_small_when_large_is_full(
         # Fill llama-server's slots (the pool's seats) with long answers and one more that
         # waits: the next `auto` request overflows to the small pool instead of waiting.
         body = {"model": "large", "prompt": "Tell me a long story.", "max_tokens": 200}
-        body["ignore_eos"] = False
+        # Long for sure: the model's end-of-generation tokens (0, 2, 4) banned, since
+        # ignore_eos is the operator's field (a sampled story once ended after 7 tokens and
+        # freed its slot before the queue formed).
+        body["logit_bias"] = {"0": -100, "2": -100, "4": -100}
         fillers = [
             threading.Thread(
                 target=httpx.post,
