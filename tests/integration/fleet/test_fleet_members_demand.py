@@ -5,6 +5,7 @@ desired count it publishes (the gauge the scalers read) follows both, within max
 counting the members; a serve host with room is ordered only what max_replicas leaves."""
 
 import asyncio
+import functools
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -114,7 +115,7 @@ async def test_joined_members_and_a_gateways_demand_drive_the_desired_count(
     ctl = Controller(store, startable=0)
     announcer = Announcer(MembershipStore(store.redis), ttl_s=30.0)
     for n in (1, 2):
-        announcer.add(lambda n=n: worker(n))
+        announcer.add(functools.partial(worker, n))
     await announcer.heartbeat()
 
     # No demand anywhere: the two joined workers are the pool's replicas (no gateway has
@@ -148,7 +149,7 @@ async def test_joined_members_and_a_gateways_demand_drive_the_desired_count(
 
     # Kubernetes scaled the Deployment: four members now, nothing more wanted.
     for n in (3, 4):
-        announcer.add(lambda n=n: worker(n))
+        announcer.add(functools.partial(worker, n))
     await announcer.heartbeat()
     await ctl.tick()
     assert ctl.gauge() == {"small": 4.0}
@@ -175,7 +176,7 @@ async def test_a_serve_host_with_room_is_ordered_only_what_max_replicas_leaves(
     host = Controller(store, startable=8)
     announcer = Announcer(MembershipStore(store.redis), ttl_s=30.0)
     for n in (1, 2, 3):
-        announcer.add(lambda n=n: worker(n))
+        announcer.add(functools.partial(worker, n))
     await announcer.heartbeat()
     busy = PoolDemand(queue_depth=0, arrivals_per_s=40.0, mean_service_s=2.0)  # 10 wanted
     await DemandStore(store.redis).publish("gw-a", {"small": busy}, ttl_s=30.0)

@@ -48,7 +48,9 @@ def controller(startable: int | None = 0, announcer: str = "", **demand: float) 
     return HostRecord(host_id="ctl", pools={"small": pool}, announcer=announcer)
 
 
-def gateway(gid: str, arrivals: float, service_s: float, queue: int, **loads: MemberLoad):
+def gateway(
+    gid: str, arrivals: float, service_s: float, queue: int, **loads: MemberLoad
+) -> GatewayDemand:
     urls = {f"http://10.0.0.{k.removeprefix('m')}:8100": v for k, v in loads.items()}
     demand = PoolDemand(
         queue_depth=queue,
