@@ -32,6 +32,7 @@ from gateway.runtime.main import build_gateway
 from tests.support.redis_server import redis_url as start_redis
 from tests.support.servers import REPO_ROOT, serving, stop_process
 from tests.support.worker import free_port
+from workers.api.demand import PoolDemand, decode_demand
 from workers.api.membership import MemberRecord, member_id_for
 from workers.api.membership_store import MembershipStore
 
@@ -176,6 +177,27 @@ def test_joined_workers_serve_through_two_gateways_and_leave_both_on_drain_and_o
             r = chat(url, key)
             assert r.status_code == 200, r.text
             assert r.headers["x-switchyard-model"] == "small"
+
+        # Each gateway publishes its demand for the fleet's leader: its own report (the
+        # request it took, the two workers' load as it polls them).
+        r_sync = redis.Redis.from_url(redis_url)
+
+        def reports() -> list[PoolDemand]:
+            ids = r_sync.smembers("sy:{fleet}:demand_gateways")
+            raw = [r_sync.hget(f"sy:{{fleet}}:demand:{i.decode()}", "small") for i in ids]
+            return [d for d in (decode_demand(b) for b in raw if b) if d is not None]
+
+        def demand_seen() -> bool:
+            got = reports()
+            return len(got) == 2 and all(
+                (d.arrivals_per_s or 0) > 0
+                and {w1.url, w2.url} <= d.members.keys()
+                and all(d.members[u].num_running is not None for u in (w1.url, w2.url))
+                for d in got
+            )
+
+        wait_for(demand_seen, 30, "both gateways' demand reports in Redis")
+        r_sync.close()
 
         fleet = httpx.get(f"{fronts[1][0]}/admin/fleet", headers=admin).json()
         origins = {w["url"]: w["origin"] for p in fleet.values() for w in p["workers"]}
