@@ -66,6 +66,13 @@ def test_one_leader_scales_the_pool_for_two_hosts_and_a_dead_leader_is_replaced(
             r = chat(b, key)  # through b's gateway to a's workers (membership in Redis)
             assert r.status_code == 200, r.text
             assert desired_on_metrics(a) == desired_on_metrics(b) == 2.0
+            # a's replicas are announced in the membership store too (so b's gateway routes
+            # to them); the leader counts them once, as a's, not again as members.
+            leader_signals = a.admin("/admin/fleet")["small"]["signals"]
+            assert sorted(r["replica_id"] for r in leader_signals["replicas"]) == [
+                "a/small-0",
+                "a/small-1",
+            ]
 
             a.proc.send_signal(signal.SIGKILL)  # host a dies: no release, no withdrawal
             a.proc.wait(10)
