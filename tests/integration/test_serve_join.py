@@ -6,6 +6,7 @@ back on its own devices."""
 
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -74,6 +75,30 @@ def test_one_leader_scales_the_pool_for_two_hosts_and_a_dead_leader_is_replaced(
                 "a/small-1",
             ]
 
+            # Requests through b's gateway, one after another, across the change of leader:
+            # each must be answered whole or refused in the API's error shape (told, with
+            # Retry-After where it is a matter of capacity); none may hang, be cut or 500.
+            outcomes: list[str] = []
+            stop = threading.Event()
+
+            def load() -> None:
+                while not stop.is_set():
+                    try:
+                        r = chat(b, key)
+                    except httpx.HTTPError as exc:
+                        outcomes.append(f"lost: {exc!r}")
+                        continue
+                    if r.status_code == 200 and r.json()["choices"][0]["message"] is not None:
+                        outcomes.append("served")
+                    elif r.status_code in (429, 502, 503) and "error" in r.json():
+                        outcomes.append(f"refused {r.status_code}")
+                    else:
+                        outcomes.append(f"lost: {r.status_code} {r.text[:200]}")
+
+            loader = threading.Thread(target=load)
+            loader.start()
+            wait_for(lambda: "served" in outcomes, 30, "a request served before the kill")
+
             a.proc.send_signal(signal.SIGKILL)  # host a dies: no release, no withdrawal
             a.proc.wait(10)
             killed_at = time.monotonic()
@@ -89,6 +114,11 @@ def test_one_leader_scales_the_pool_for_two_hosts_and_a_dead_leader_is_replaced(
                 return sum(r["state"] == "ready" for r in replicas) == 2
 
             wait_for(back_to_two, 120, "b's own 2 replicas ready")
+            stop.set()
+            loader.join(60)
+            counts = {k: outcomes.count(k) for k in sorted(set(outcomes))}
+            print(f"requests through b across the change of leader: {counts}")
+            assert not [o for o in outcomes if o.startswith("lost")], counts
             view = fleet_view(b)
             assert view["hosts"] == {"b": ["small-0", "small-1"]}  # a's record lapsed
             assert view["orders_refused"] == 0
