@@ -1,24 +1,34 @@
-"""Two `switchyard serve --join` processes ("hosts" a and b) sharing one real Redis: one
-leader orders the pool's replicas for the fleet (never more than max_replicas across
-both), b's gateway serves through a's workers, every gateway exports the leader's
-desired replicas, and when a dies b takes the lease within its ttl and puts the pool
-back on its own devices."""
+"""Two `switchyard serve --join` processes on two hosts (network namespaces joined by a
+veth, tests/support/netns.py) sharing one real Redis on host b: one leader orders the
+pool's replicas for the fleet (never more than max_replicas across both), b's gateway
+serves through a's workers across the veth, every gateway exports the leader's desired
+replicas, and when host a dies b takes the lease within its ttl, no request through b is
+lost across the change, and b puts the pool back on its own devices."""
 
+import ipaddress
 import re
 import signal
 import threading
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support.redis_server import redis_url
+from tests.support.netns import (
+    HOST_A_ADDRESS,
+    SUBNET_PREFIX_LEN,
+    require_netns,
+    start_redis,
+    two_hosts,
+)
 from tests.support.serve_stack import Stack, pool_config, serve, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
 TTL_S = 2.0
+HOSTS_NETWORK = str(ipaddress.ip_network(f"{HOST_A_ADDRESS}/{SUBNET_PREFIX_LEN}", strict=False))
 
 
 def joined(url: str, host_id: str, demo_dir: Path) -> dict:
@@ -27,6 +37,8 @@ def joined(url: str, host_id: str, demo_dir: Path) -> dict:
         "pools": {"small": pool_config(demo_dir, min_replicas=2, max_replicas=2)},
         "cascade": {"enabled": False},
         "fleet": {"join": True, "host_id": host_id, "lease_ttl_s": TTL_S},
+        # /metrics answers the hosts' own network (the test reads it from inside a host).
+        "gateway": {"options": {"shutdown_grace_s": 5, "metrics_networks": [HOSTS_NETWORK]}},
     }
 
 
@@ -36,16 +48,18 @@ def fleet_view(stack: Stack) -> dict:
 
 def chat(stack: Stack, key: str) -> httpx.Response:
     body = {"model": "small", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
-    return httpx.post(
-        f"{stack.url}/v1/chat/completions",
-        json=body,
-        headers={"authorization": f"Bearer {key}"},
-        timeout=30,
+    return stack.call(
+        lambda: httpx.post(
+            f"{stack.url}/v1/chat/completions",
+            json=body,
+            headers={"authorization": f"Bearer {key}"},
+            timeout=30,
+        )
     )
 
 
 def desired_on_metrics(stack: Stack) -> float | None:
-    text = httpx.get(f"{stack.url}/metrics", timeout=5).text
+    text = stack.call(lambda: httpx.get(f"{stack.url}/metrics", timeout=5).text)
     found = re.search(r'^switchyard_autoscaler_desired_replicas\{pool="small"\} (\S+)$', text, re.M)
     return float(found.group(1)) if found else None
 
@@ -53,14 +67,25 @@ def desired_on_metrics(stack: Stack) -> float | None:
 def test_one_leader_scales_the_pool_for_two_hosts_and_a_dead_leader_is_replaced(
     tmp_path: Path, demo_dir: Path
 ) -> None:
+    require_netns()
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    with redis_url() as url, serve(tmp_path / "a", joined(url, "a", demo_dir), 120) as a:
+    with two_hosts() as hosts:
+        url = start_redis(hosts.b, tmp_path / "redis")  # on b: it outlives host a
+        a_cm = serve(tmp_path / "a", joined(url, "a", demo_dir), 120, host=hosts.a)
+        b_cm = serve(tmp_path / "b", joined(url, "b", demo_dir), 120, host=hosts.b)
+        one_leader_for_both(a_cm, b_cm)
+
+
+def one_leader_for_both(
+    a_cm: AbstractContextManager[Stack], b_cm: AbstractContextManager[Stack]
+) -> None:
+    with a_cm as a:
         key = a.exports()["OPENAI_API_KEY"]  # the demo tenant, in the shared Redis
         view = fleet_view(a)
         assert view["leader"] and view["desired_replicas"] == 2
         assert len(a.replicas("small")) == 2  # the only host: both replicas placed here
-        with serve(tmp_path / "b", joined(url, "b", demo_dir), 120) as b:
+        with b_cm as b:
             assert fleet_view(b)["leader"] is False
             assert b.replicas("small") == []  # the fleet had its 2: b was ordered none
             assert fleet_view(b)["hosts"] == {"a": ["small-0", "small-1"], "b": []}

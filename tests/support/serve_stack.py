@@ -7,9 +7,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 import psutil
@@ -17,6 +18,8 @@ import yaml
 
 from tests.support.servers import REPO_ROOT
 from tests.support.worker import free_port
+
+T = TypeVar("T")
 
 ENGINE = {"kv_cache_gib": 0.02, "decode_workspace_tokens": 0, "threads": 1}
 
@@ -26,11 +29,18 @@ def pool_config(model_dir: Path, **kw) -> dict:
 
 
 class Stack:
-    def __init__(self, proc: subprocess.Popen, url: str, out: Path, err: Path) -> None:
+    def __init__(
+        self, proc: subprocess.Popen, url: str, out: Path, err: Path, host: Any = None
+    ) -> None:
         self.proc = proc
         self.url = url
         self.out_path = out
         self.err_path = err
+        self.host = host  # a tests.support.netns.Host it runs in; None: this machine's
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """`fn()` where the stack is reachable: inside its host, if it has one."""
+        return fn() if self.host is None else self.host.call(fn)
 
     @property
     def out(self) -> str:
@@ -45,7 +55,8 @@ class Stack:
 
     def admin(self, path: str) -> dict:
         key = (Path(self.data_dir) / "admin-key").read_text().strip()
-        r = httpx.get(f"{self.url}{path}", headers={"authorization": f"Bearer {key}"}, timeout=5)
+        headers = {"authorization": f"Bearer {key}"}
+        r = self.call(lambda: httpx.get(f"{self.url}{path}", headers=headers, timeout=5))
         r.raise_for_status()
         return r.json()
 
@@ -66,12 +77,17 @@ class Stack:
 
 
 @contextmanager
-def serve(tmp_path: Path, config: dict, timeout_s: float = 60.0) -> Iterator[Stack]:
+def serve(
+    tmp_path: Path, config: dict, timeout_s: float = 60.0, host: Any = None
+) -> Iterator[Stack]:
+    """`host`: a `tests.support.netns.Host` to run it in (its gateway and workers listen on
+    the host's address); None: this machine, on loopback."""
     port = free_port()
+    address = "127.0.0.1" if host is None else host.address
     base = {
         "data_dir": "data",  # relative: resolves against the config file's directory
-        "gateway": {"port": port, "options": {"shutdown_grace_s": 5}},
-        "fleet": {"restart_base_s": 0.5, "stop_grace_s": 5},
+        "gateway": {"host": address, "port": port, "options": {"shutdown_grace_s": 5}},
+        "fleet": {"restart_base_s": 0.5, "stop_grace_s": 5, "worker_host": address},
     }
     for key, value in config.items():
         base[key] = {**base[key], **value} if isinstance(base.get(key), dict) else value
@@ -81,15 +97,17 @@ def serve(tmp_path: Path, config: dict, timeout_s: float = 60.0) -> Iterator[Sta
     # The local-stack pointer goes to the cache dir: keep it out of the user's home.
     env = {**os.environ, "SWITCHYARD_CACHE": str(tmp_path / "cache")}
     env.pop("SWITCHYARD_ADMIN_KEY", None)
+    argv = [sys.executable, "-m", "cli", "serve", "--config", str(path)]
+    start = subprocess.Popen if host is None else host.popen
     with open(out, "wb") as o, open(err, "wb") as e:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "cli", "serve", "--config", str(path)],
+        proc = start(
+            argv,
             cwd=REPO_ROOT,  # not tmp_path: relative paths must follow the config file
             stdout=o,
             stderr=e,
             env=env,
         )
-    stack = Stack(proc, f"http://127.0.0.1:{port}", out, err)
+    stack = Stack(proc, f"http://{address}:{port}", out, err, host)
     stack.data_dir = tmp_path / "data"
     try:
         deadline = time.monotonic() + timeout_s
