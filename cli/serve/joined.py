@@ -12,7 +12,6 @@ of its own, so a slow tick never costs the lease. Without `--join` the single-ho
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +25,7 @@ from gateway.capacity.pool import Pool
 from gateway.gateway import Gateway
 from quota.connection import make_redis
 from workers.api.demand_store import DemandStore
+from workers.api.membership import process_identity
 from workers.api.membership_store import MembershipStore
 from workers.fleet.autoscaler import Autoscaler, AutoscalerConfig
 from workers.fleet.coordination import FleetStore
@@ -94,7 +94,7 @@ class JoinedFleetLoop:
         self.rate_window_s = rate_window_s
         self.clock = clock
         # Unique per process: a restarted host never renews its previous life's lease.
-        holder = LeaseHolder(lease, f"{host_id}:{os.getpid()}:{os.urandom(3).hex()}")
+        holder = LeaseHolder(lease, process_identity(host_id))
         self.keeper = LeaseKeeper(store, holder, clock)
         self.agent = HostAgent(store, host_id, supervisor)
         self.leader = FleetLeader(store, self.keeper, configs, clock, members, demand)

@@ -16,6 +16,7 @@ import os
 from gateway.capacity.pool import Pool
 from workers.api.demand import MemberLoad, PoolDemand
 from workers.api.demand_store import DemandStore
+from workers.api.membership import process_identity
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def pool_demand(pool: Pool, window_s: float) -> PoolDemand:
 
 def new_gateway_id() -> str:
     """This process among the fleet's gateways (host, pid and a nonce)."""
-    return f"{os.uname().nodename}:{os.getpid()}:{os.urandom(3).hex()}"
+    return process_identity(os.uname().nodename)
 
 
 class DemandPublisher:

@@ -21,6 +21,7 @@ a reader that missed the message still tells a member that left on purpose (its 
 finish) from one that vanished (requests waiting on it are lost).
 """
 
+import os
 import re
 from typing import Literal
 from urllib.parse import urlsplit
@@ -36,6 +37,12 @@ CHANNEL = "sy:{fleet}:changed"
 DEFAULT_TTL_S = 6.0
 MAX_RECORD_BYTES = 8192  # a record is untrusted input to every reader: bigger is refused
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
+
+
+def process_identity(host_id: str) -> str:
+    """One process of the fleet (an announcer, a lease contender, a gateway): its host, pid
+    and a nonce, so a restarted process with a recycled pid is another one."""
+    return f"{host_id}:{os.getpid()}:{os.urandom(3).hex()}"
 
 
 def members_key(pool: str) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from workers.api.membership import DEFAULT_TTL_S, MemberRecord
+from workers.api.membership import DEFAULT_TTL_S, MemberRecord, process_identity
 from workers.api.membership_store import MembershipStore
 
 log = logging.getLogger(__name__)
@@ -30,9 +30,8 @@ def default_host_id() -> str:
 
 
 def new_announcer_id(host_id: str) -> str:
-    """This process among the fleet's announcers: host, pid and a nonce (a restarted
-    process with a recycled pid is another announcer)."""
-    return f"{host_id}:{os.getpid()}:{os.urandom(3).hex()}"
+    """This process among the fleet's announcers (`process_identity`)."""
+    return process_identity(host_id)
 
 
 def local_devices(device: str) -> list[str]:
