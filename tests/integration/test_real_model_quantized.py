@@ -14,21 +14,12 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.engine_quant import CHATS  # the chats the quantized bench reports on
 from workers.engine.config import EngineConfig, SchedulerConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
 from workers.runner.quant import quantize_q4
 
-CHATS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Name three prime numbers.",
-    "Explain recursion to a child.",
-    "Give me a recipe for pancakes.",
-    "What causes rain?",
-    "Translate 'good morning' into Spanish.",
-    "List three uses of a paperclip.",
-]
 NUM_TOKENS = 48
 # Three engines of the real model and transformers over 8 chats: minutes on 2 busy cores.
 pytestmark = pytest.mark.timeout(1200)
