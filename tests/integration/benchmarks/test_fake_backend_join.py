@@ -6,8 +6,6 @@ import asyncio
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -15,6 +13,7 @@ import httpx
 from benchmarks.fake_backend import FAKE_FINGERPRINT
 from benchmarks.processes import free_port
 from tests.support.redis_server import redis_url
+from tests.support.serve_stack import wait_for
 from tests.support.servers import REPO_ROOT, wait_ready
 from workers.api.membership import PoolMembers
 from workers.api.membership_store import MembershipStore, membership_redis
@@ -31,13 +30,6 @@ def _read(url: str, pool: str) -> PoolMembers:
     return asyncio.run(read())
 
 
-def _until(condition: Callable[[], bool], timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
 def test_a_joined_fake_backend_is_a_member_until_it_withdraws(tmp_path: Path) -> None:
     port = free_port()
     backend = f"http://127.0.0.1:{port}"
@@ -48,7 +40,12 @@ def test_a_joined_fake_backend_is_a_member_until_it_withdraws(tmp_path: Path) ->
         proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_ready(backend, timeout_s=30, proc=proc, path="/health")
-            _until(lambda: [m.record.url for m in _read(url, "small").members] == [backend])
+            wait_for(
+                lambda: [m.record.url for m in _read(url, "small").members] == [backend],
+                15,
+                "the backend announced",
+                step_s=0.02,
+            )
             members = _read(url, "small")
             record = members.members[0].record
             assert (record.host_id, record.state, record.fingerprint) == (
