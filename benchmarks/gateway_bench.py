@@ -56,7 +56,7 @@ class GatewayBenchOptions:
     peer: PeerOptions = field(default_factory=PeerOptions)
 
 
-def _plan(quick: bool) -> LoadPlan:
+def load_plan(quick: bool) -> LoadPlan:
     if quick:
         return LoadPlan(num_sequential=50, num_relay_streams=5, wrk_duration_s=1, wrk_warmup_s=0)
     return LoadPlan()
@@ -142,7 +142,7 @@ def _given(path: BenchPath) -> Iterator[BenchPath]:
 
 def compare_paths(opts: GatewayBenchOptions, tmp: Path, redis_url: str, steps: tqdm) -> dict:
     """Each path started in turn (one gateway running at a time) and measured."""
-    plan = _plan(opts.quick)
+    plan = load_plan(opts.quick)
     if opts.peer.url and not opts.backend_port:
         print(
             "warning: --peer without --backend-port: the peer must be in front of this "

@@ -35,6 +35,7 @@ import httpx
 import yaml
 from tqdm import tqdm
 
+from benchmarks.gateway_bench import load_plan
 from benchmarks.gateway_load import LoadPlan, measure_path, wrk_cells
 from benchmarks.gateway_paths import ADMIN, BenchPath, make_key, wait_ready
 from benchmarks.stats import markdown_table, percentile, write_report
@@ -53,12 +54,6 @@ class MultiHostOptions:
     trials: int = 10  # deaths of host B's backend
     ttl_s: float = 2.0  # the backends' heartbeat TTL
     poll_s: float = 0.5  # the gateways' membership re-read
-
-
-def _plan(quick: bool) -> LoadPlan:
-    if quick:
-        return LoadPlan(num_sequential=50, num_relay_streams=5, wrk_duration_s=1, wrk_warmup_s=0)
-    return LoadPlan()
 
 
 def _harness():
@@ -247,7 +242,7 @@ def measure_removal(fleet: Fleet, trials: int, steps: tqdm) -> dict:
 
 def run_multihost_bench(opts: MultiHostOptions) -> dict:
     netns = _harness()
-    plan = _plan(opts.quick)
+    plan = load_plan(opts.quick)
     trials = 2 if opts.quick else opts.trials
     data: dict[str, Any] = {"options": {**opts.__dict__, "out_dir": str(opts.out_dir)}}
     with tempfile.TemporaryDirectory() as tmp_name, netns.two_hosts() as hosts:
